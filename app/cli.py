@@ -1,0 +1,114 @@
+"""The ``cohort`` command: LightningCLI over the GPT language model and the token-file datamodule.
+
+    cohort fit -c configs/quickstart.yaml                                   # 1 CPU process, embedded corpus
+    cohort fit -c configs/trainer/ddp_cpu.yaml -c configs/gpt/quickstart.yaml   # the same run on 2 processes
+    cohort fit -c configs/quickstart.yaml --ckpt_path last                  # resume the newest run
+    cohort predict -c configs/quickstart.yaml --ckpt_path last              # generate text from it
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import zipfile
+from pathlib import Path
+
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from app.callbacks import PerRankSeed, PrintPredictions, RunCheckpoint, Throughput
+from app.errors import UserError
+from app.run_plan import apply_batch_plan, find_last_checkpoint, resolve_precision
+from datamodules.language_modeling import LanguageModelingDataModule
+from models.language_model import GPTLanguageModel
+
+DEFAULT_SEED = 1337  # fixed, not random: a resumed run must draw the same data and dropout as the first
+
+
+class CohortCLI(LightningCLI):
+    def __init__(self, args: list[str] | None = None) -> None:
+        super().__init__(
+            GPTLanguageModel,
+            LanguageModelingDataModule,
+            seed_everything_default=DEFAULT_SEED,
+            trainer_defaults={
+                "logger": {
+                    "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                    "init_args": {"save_dir": ".", "name": "lightning_logs"},
+                },
+                "plugins": [{"class_path": "app.callbacks.AtomicCheckpointIO"}],
+                "use_distributed_sampler": False,  # the datamodule shards by rank itself
+                "callbacks": [PerRankSeed(), Throughput(), PrintPredictions()],
+            },
+            save_config_kwargs={"overwrite": True},  # a resumed run rewrites its own config.yaml
+            args=args,
+        )
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("data.vocab_size", "model.vocab_size")
+        parser.link_arguments("data.global_batch_size", "model.global_batch_size")
+        parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
+        parser.set_defaults(
+            {
+                "checkpoint.save_last": True,
+                "checkpoint.save_top_k": 0,  # only last.ckpt, unless a metric is monitored
+                "checkpoint.every_n_train_steps": 100,
+                "checkpoint.enable_version_counter": False,  # resumed runs keep writing last.ckpt
+            }
+        )
+        parser.add_argument(
+            "--val_every_n_steps", type=int | None, default=None,
+            help="validate every N optimizer steps (whatever the accumulation); None: once per epoch",
+        )
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand]
+        trainer = config.trainer
+        if trainer.use_distributed_sampler:
+            raise UserError("trainer.use_distributed_sampler must stay false: the datamodule gives each rank its "
+                            "own samples, and Lightning's sampler would reorder them")
+        accelerator = trainer.accelerator if isinstance(trainer.accelerator, str) else "custom"
+        trainer.precision = resolve_precision(trainer.precision, accelerator)
+        if config.ckpt_path == "last":
+            config.ckpt_path = self._resume_last(trainer)
+        elif config.ckpt_path is not None:
+            check_checkpoint_file(Path(config.ckpt_path))
+
+    def _resume_last(self, trainer_config) -> str | None:
+        """Resolve ``--ckpt_path last`` to the newest run's last.ckpt and log into that run's folder again."""
+        logger = trainer_config.logger
+        if not (hasattr(logger, "class_path") and logger.class_path.endswith("TensorBoardLogger")):
+            return "last"  # another logger: Lightning's own lookup
+        log_root = Path(logger.init_args.save_dir) / logger.init_args.name
+        checkpoint = find_last_checkpoint(log_root)
+        if checkpoint is None:
+            rank_zero_info(f"--ckpt_path last: no checkpoint under {log_root}/version_*/checkpoints, starting a new run")
+            return None
+        check_checkpoint_file(checkpoint)
+        logger.init_args.version = checkpoint.parent.parent.name
+        rank_zero_info(f"resuming from {checkpoint}")
+        return str(checkpoint)
+
+    def before_fit(self) -> None:
+        apply_batch_plan(self.trainer, self.model, self.datamodule, self.config.fit.val_every_n_steps)
+
+
+def check_checkpoint_file(path: Path) -> None:
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist: pass a .ckpt file, or --ckpt_path last")
+    if not os.access(path, os.R_OK):
+        raise UserError(f"checkpoint {path} is not readable: fix its permissions")
+    if not zipfile.is_zipfile(path):
+        raise UserError(f"checkpoint {path} is not a torch checkpoint (truncated or another format): use another one")
+
+
+def main(args: list[str] | None = None) -> None:
+    try:
+        CohortCLI(args=args)
+    except (UserError, MisconfigurationException) as error:
+        if os.environ.get("COHORT_TRACEBACK"):
+            raise
+        message = re.sub(r"\s+", " ", str(error)).strip()  # one line, also for Lightning's wrapped messages
+        sys.exit(f"cohort: error: {message} (COHORT_TRACEBACK=1 shows where)")

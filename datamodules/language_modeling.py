@@ -1,0 +1,147 @@
+"""The LM DataModule: token files in, (input, target) micro-batches out, the same global batches at any scale.
+
+With no ``data_dir`` it trains on the embedded corpus (the Python standard library's source, byte-level), built
+once into ``data/python_stdlib`` by the first process of each node.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader
+
+from app.errors import UserError
+from datamodules.prepare import BYTE_VOCAB_SIZE, DEFAULT_CORPUS_DIR, prepare_byte_corpus, stdlib_source_files
+from datamodules.samplers import EvenShardSampler, GlobalBatchSampler
+from datamodules.token_files import TokenWindows, check_token_file
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader that Lightning treats as resumable.
+
+    The position in the stream is not state: it follows from the optimizer step that Lightning restores. What
+    is saved is what the stream depends on, so that a resume that would not continue the same stream says so.
+    """
+
+    def state_dict(self) -> dict[str, int]:
+        sampler: GlobalBatchSampler = self.sampler  # type: ignore[assignment]
+        return {
+            "seed": sampler.seed,
+            "global_batch_size": sampler.global_batch_size,
+            "num_samples": sampler.num_samples,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        changed = [f"{key} {value} -> {self.state_dict()[key]}" for key, value in state.items()
+                   if self.state_dict().get(key) != value]
+        if changed:
+            rank_zero_warn(f"resuming with a different data stream ({', '.join(changed)}): training continues, "
+                           "but not exactly as the checkpointed run would have")
+
+
+class LanguageModelingDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        vocab_size: int = BYTE_VOCAB_SIZE,
+        sequence_length: int = 128,
+        global_batch_size: int = 32,
+        micro_batch_size: int = 8,
+        val_samples: int | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prompts: list[str] | None = None,
+    ) -> None:
+        """
+        Args:
+            data_dir: folder with train.bin and val.bin; None builds and uses the embedded stdlib corpus.
+            vocab_size: tokenizer vocabulary; decides uint16 or uint32 token files.
+            sequence_length: tokens per sample (at most the model's block_size).
+            global_batch_size: samples per optimizer step, over all ranks and accumulation steps.
+            micro_batch_size: samples per forward/backward on one device.
+            val_samples: validate on the first N windows of val.bin only (the same N at any world size).
+            num_workers: DataLoader worker processes per rank.
+            pin_memory: page-locked host batches for faster copies to GPUs.
+            prompts: texts that ``predict`` continues (byte-level vocabulary).
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        for name, value in (("sequence_length", sequence_length), ("global_batch_size", global_batch_size),
+                            ("micro_batch_size", micro_batch_size), ("vocab_size", vocab_size)):
+            if value < 1:
+                raise UserError(f"data.{name}={value} must be a positive integer")
+        self.data_dir = Path(data_dir) if data_dir is not None else DEFAULT_CORPUS_DIR
+        if data_dir is not None:  # check user data now, before any work starts
+            for split in ("train", "val"):
+                check_token_file(self.data_dir / f"{split}.bin", vocab_size)
+        elif vocab_size != BYTE_VOCAB_SIZE:
+            raise UserError(f"the embedded corpus is byte-level (vocab_size {BYTE_VOCAB_SIZE}), not {vocab_size}: "
+                            "leave data.vocab_size at 256 or set data.data_dir to your own token files")
+        self.vocab_size = vocab_size
+        self.sequence_length = sequence_length
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.val_samples = val_samples
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.prompts = prompts or ["def fibonacci(n):\n", "class Stack:\n"]
+        self.train_set: TokenWindows | None = None
+        self.val_set: TokenWindows | None = None
+
+    def prepare_data(self) -> None:
+        """Build the embedded corpus once per node (Lightning calls this on local rank 0 only)."""
+        if not (self.data_dir / "train.bin").exists() and self.data_dir == DEFAULT_CORPUS_DIR:
+            train_tokens, val_tokens = prepare_byte_corpus(stdlib_source_files(), self.data_dir)
+            print(f"built the embedded corpus in {self.data_dir}: {train_tokens:,} train and {val_tokens:,} val tokens")
+
+    def setup(self, stage: str) -> None:
+        if stage in ("fit", "validate", "test") and self.val_set is None:
+            self.train_set = TokenWindows(self.data_dir / "train.bin", self.sequence_length, self.vocab_size)
+            self.val_set = TokenWindows(self.data_dir / "val.bin", self.sequence_length, self.vocab_size)
+            if len(self.train_set) < self.global_batch_size:
+                raise UserError(
+                    f"{self.data_dir}/train.bin holds {len(self.train_set)} samples of {self.sequence_length} "
+                    f"tokens, fewer than one global batch of {self.global_batch_size}: use more data or a smaller "
+                    "data.global_batch_size"
+                )
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None
+        sampler = GlobalBatchSampler(
+            num_samples=len(self.train_set),
+            global_batch_size=self.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            rank=self.trainer.global_rank,
+            world_size=self.trainer.world_size,
+            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # set by seed_everything
+            start_step=self.trainer.global_step,  # restored from the checkpoint when resuming
+        )
+        return ResumableDataLoader(self.train_set, sampler=sampler, **self._loader_options())
+
+    def val_dataloader(self) -> DataLoader:
+        assert self.val_set is not None
+        num_samples = min(len(self.val_set), self.val_samples or len(self.val_set))
+        sampler = EvenShardSampler(num_samples, self.trainer.global_rank, self.trainer.world_size)
+        return DataLoader(self.val_set, sampler=sampler, **self._loader_options())
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        if self.vocab_size != BYTE_VOCAB_SIZE:
+            raise UserError("predict turns prompts into tokens byte by byte, which needs data.vocab_size 256")
+        prompts = [torch.tensor(list(prompt.encode()), dtype=torch.long) for prompt in self.prompts]
+        return DataLoader(prompts, batch_size=1)  # prompts differ in length
+
+    def _loader_options(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.micro_batch_size,
+            "num_workers": self.num_workers,
+            "pin_memory": self.pin_memory,
+            "persistent_workers": self.num_workers > 0,
+        }

@@ -1,0 +1,160 @@
+"""A decoder-only GPT with exactly the GPT-2 architecture, as plain ``nn.Module`` code.
+
+Learned absolute position embeddings, pre-LayerNorm blocks, a GELU MLP of width 4 x n_embd, the output head
+tied to the token embedding, and GPT-2's initialisation (normal(0, 0.02), with the residual projections scaled
+by 1 / sqrt(2 * n_layer)). Attention goes through ``F.scaled_dot_product_attention`` so that the fastest kernel
+for the device is picked. Nothing here knows about processes, devices or precision: parallelism is applied from
+outside.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    n_layer: int
+    n_head: int
+    n_embd: int
+    block_size: int = 1024  # longest sequence; the size of the position-embedding table
+    vocab_size: int = 50257
+    dropout: float = 0.0
+    bias: bool = True  # GPT-2 has biases in every Linear and LayerNorm
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+
+
+# Named sizes. "debug" is for tests, "small" learns the embedded byte-level corpus in minutes on 2 CPU cores,
+# the gpt2* entries are OpenAI's released shapes, "gpt-7b" is a multi-billion size meant for sharded training.
+GPT_CONFIGS: dict[str, GPTConfig] = {
+    "debug": GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=256),
+    "small": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=256),
+    "gpt2": GPTConfig(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": GPTConfig(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),
+    "gpt-2.7b": GPTConfig(n_layer=32, n_head=32, n_embd=2560, block_size=2048),
+    "gpt-6.7b": GPTConfig(n_layer=32, n_head=32, n_embd=4096, block_size=2048),
+}
+
+
+def gpt_config(name: str, **overrides: int | float | bool | None) -> GPTConfig:
+    """The named config with the given fields replaced (fields set to None are left as they are)."""
+    if name not in GPT_CONFIGS:
+        raise KeyError(name)
+    return replace(GPT_CONFIGS[name], **{key: value for key, value in overrides.items() if value is not None})
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        dropout_p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2 used the tanh approximation
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(self.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: one matrix, counted once
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation; residual projections are scaled so the residual stream's variance does not
+        grow with depth."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = residual_std if name.endswith(("attn.proj", "mlp.proj")) else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) to next-token logits (B, T, vocab_size)."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds the model's block_size {self.config.block_size}")
+        positions = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(positions))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+
+    def num_parameters(self) -> int:
+        """Parameters counted once each (the tied head shares the token embedding)."""
+        return sum(p.numel() for p in self.parameters())
+
+    @torch.no_grad()
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+    ) -> torch.Tensor:
+        """Extend the (B, T) prompt by sampling ``max_new_tokens`` tokens, cropping the context to block_size."""
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.block_size :]
+            logits = self(context)[:, -1, :] / max(temperature, 1e-5)
+            if top_k is not None:
+                kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+            next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat((idx, next_token), dim=1)
+        return idx

@@ -1,0 +1,164 @@
+"""The LightningModule that trains a GPT: loss, metrics, optimizer, LR schedule and text generation."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
+from torchmetrics import MeanMetric
+
+from app.errors import UserError
+from datamodules.token_files import IGNORE_INDEX
+from models.gpt import GPT, GPT_CONFIGS, gpt_config
+
+
+class GPTLanguageModel(L.LightningModule):
+    def __init__(
+        self,
+        model_name: str = "small",
+        vocab_size: int | None = None,
+        dropout: float = 0.0,
+        learning_rate: float = 6e-4,
+        min_learning_rate_ratio: float = 0.1,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 100,
+        lr_decay_steps: int | None = None,
+        global_batch_size: int | None = None,
+        reference_batch_size: int | None = None,
+        max_new_tokens: int = 200,
+        temperature: float = 0.8,
+        top_k: int | None = 40,
+    ) -> None:
+        """
+        Args:
+            model_name: a size from models.gpt.GPT_CONFIGS ("debug", "small", "gpt2", ...).
+            vocab_size: overrides the size's vocabulary; the CLI links it to data.vocab_size.
+            dropout: dropout probability in embeddings, attention and MLP.
+            learning_rate: peak learning rate (before batch-size scaling).
+            min_learning_rate_ratio: the cosine decay ends at learning_rate times this.
+            weight_decay: AdamW decay on matrices; biases, norms and embeddings are never decayed.
+            betas: AdamW betas.
+            warmup_steps: optimizer steps of linear warmup from 0.
+            lr_decay_steps: optimizer steps until the decay ends; None means the whole run.
+            global_batch_size: samples per optimizer step; the CLI links it to data.global_batch_size.
+            reference_batch_size: if set, learning_rate is scaled by global_batch_size / reference_batch_size.
+            max_new_tokens: tokens generated per prompt by ``predict``.
+            temperature: sampling temperature for generation.
+            top_k: sample among the k most likely tokens only; None samples from all.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        if model_name not in GPT_CONFIGS:
+            raise UserError(f"unknown model.model_name '{model_name}': choose one of {', '.join(GPT_CONFIGS)}")
+        self.model = GPT(gpt_config(model_name, vocab_size=vocab_size, dropout=dropout))
+        self.val_loss = MeanMetric()
+        self.test_loss = MeanMetric()
+
+    @property
+    def effective_learning_rate(self) -> float:
+        """The peak learning rate after the linear scaling rule, if one is configured."""
+        lr = self.hparams.learning_rate
+        if self.hparams.reference_batch_size is not None:
+            if self.hparams.global_batch_size is None:
+                raise UserError("model.reference_batch_size needs model.global_batch_size (linked from data)")
+            lr *= self.hparams.global_batch_size / self.hparams.reference_batch_size
+        return lr
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        logits = self.model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("lr", self.lr_schedulers().get_last_lr()[0])
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._update_mean_loss(self.val_loss, batch)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._update_mean_loss(self.test_loss, batch)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_loss_and_perplexity("val", self.val_loss)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_loss_and_perplexity("test", self.test_loss)
+
+    def _update_mean_loss(self, metric: MeanMetric, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Token-weighted, so padding (IGNORE_INDEX) and uneven shards do not change the mean."""
+        inputs, targets = batch
+        logits = self.model(inputs)
+        loss_sum = F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        tokens = (targets != IGNORE_INDEX).sum()
+        metric.update(loss_sum / tokens.clamp(min=1), weight=tokens)
+
+    def _log_loss_and_perplexity(self, split: str, metric: MeanMetric) -> None:
+        loss = metric.compute()  # a collective: every rank gets the mean over all ranks' tokens
+        metric.reset()
+        self.log(f"{split}/loss", loss, prog_bar=True)
+        self.log(f"{split}/perplexity", torch.exp(loss))
+
+    def predict_step(self, prompt: torch.Tensor, batch_idx: int) -> dict[str, str]:
+        return {"prompt": decode_bytes(prompt[0]), "completion": self.generate_text(prompt)}
+
+    def generate_text(self, prompt: torch.Tensor) -> str:
+        """Continue a (1, T) byte-level prompt and return the new text."""
+        was_training = self.model.training
+        self.model.eval()
+        tokens = self.model.generate(
+            prompt.to(self.device), self.hparams.max_new_tokens, self.hparams.temperature, self.hparams.top_k
+        )
+        self.model.train(was_training)
+        return decode_bytes(tokens[0, prompt.size(1) :])
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        # GPT-2 recipes decay only the weight matrices: never biases, norms or embeddings (the tied head included)
+        embeddings = {id(m.weight) for m in self.model.modules() if isinstance(m, nn.Embedding)}
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
+        no_decay = [p for p in params if p.dim() < 2 or id(p) in embeddings]
+        lr = self.effective_learning_rate
+        if self.hparams.reference_batch_size is not None:
+            rank_zero_info(
+                f"learning rate {lr:.3g} = {self.hparams.learning_rate:.3g} x global batch "
+                f"{self.hparams.global_batch_size} / reference batch {self.hparams.reference_batch_size}"
+            )
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=lr,
+            betas=self.hparams.betas,
+            fused=self.device.type in ("cuda", "cpu"),  # one kernel for all parameters where torch has it
+        )
+        decay_steps = self.hparams.lr_decay_steps or self.trainer.estimated_stepping_batches
+        schedule = warmup_cosine_schedule(self.hparams.warmup_steps, int(decay_steps), self.hparams.min_learning_rate_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def warmup_cosine_schedule(warmup_steps: int, decay_steps: int, min_ratio: float):
+    """LR multiplier for step s: linear warmup to 1, cosine down to ``min_ratio`` at ``decay_steps``, then flat."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if step >= decay_steps:
+            return min_ratio
+        progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
+        return min_ratio + 0.5 * (1.0 - min_ratio) * (1.0 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+def decode_bytes(tokens: torch.Tensor) -> str:
+    return bytes(tokens.tolist()).decode("utf-8", errors="replace")
