@@ -60,9 +60,9 @@ def apply_batch_plan(
     )
 
 
-def resolve_precision(precision: str | int, accelerator: str) -> str:
+def resolve_precision(precision: str | int | None, accelerator: str) -> str:
     """The precision Lightning should get; a UserError where the device cannot run the one asked for."""
-    requested = PRECISION_ALIASES.get(str(precision), str(precision))
+    requested = "32-true" if precision is None else PRECISION_ALIASES.get(str(precision), str(precision))
     if requested not in SUPPORTED_PRECISIONS:
         raise UserError(f"trainer.precision={precision!r} is not supported: use one of {', '.join(SUPPORTED_PRECISIONS)}")
     on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())

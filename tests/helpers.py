@@ -1,0 +1,73 @@
+"""Test-only callbacks (loaded by the CLI in subprocesses as ``tests.helpers.X``) and a runner for ``cohort``.
+
+No ``from __future__ import annotations`` here: DDP checks the comm hook's annotations as real types.
+"""
+
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+
+
+def run_cohort(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``python -m app ARGS`` in its own process group, as a user would from ``cwd``."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+        start_new_session=True,  # so a test can SIGKILL the run and every rank it started, like a node failure
+    )
+
+
+def last_checkpoint_weights(run_dir: Path, version: int = 0) -> dict[str, torch.Tensor]:
+    path = run_dir / "lightning_logs" / f"version_{version}" / "checkpoints" / "last.ckpt"
+    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+
+
+class KillAtStep(Callback):
+    """SIGKILL the whole process group (every rank) at a micro-batch inside an accumulation window."""
+
+    def __init__(self, step: int, micro_batch: int) -> None:
+        self.step = step
+        self.micro_batch = micro_batch
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        at_micro_batch = batch_idx % trainer.accumulate_grad_batches == self.micro_batch
+        if trainer.is_global_zero and trainer.global_step == self.step and at_micro_batch:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+class GradientAllReduceCounter(Callback):
+    """Records, per rank, the training micro-batches whose backward all-reduced gradients (a DDP comm hook)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+        self.batch_idx = -1
+        self.reducing_batches: set[int] = set()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def counting_hook(state: Any, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            self.reducing_batches.add(self.batch_idx)
+            return allreduce_hook(state, bucket)
+
+        trainer.strategy.model.register_comm_hook(state=None, hook=counting_hook)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.batch_idx = batch_idx
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        summary = {"accumulation": trainer.accumulate_grad_batches, "batches": self.batch_idx + 1,
+                   "reducing_batches": sorted(self.reducing_batches)}
+        (self.out_dir / f"allreduce_rank{trainer.global_rank}.json").write_text(json.dumps(summary))

@@ -1,0 +1,138 @@
+"""End-to-end runs of ``cohort fit`` on CPU: one process, DDP with two gloo processes, accumulation, exact resume."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.helpers import QUIET, last_checkpoint_weights, run_cohort
+
+pytestmark = pytest.mark.slow
+DDP_2 = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
+
+
+def fit(run_dir: Path, args: list[str], *extra: str) -> Path:
+    """``cohort fit`` in ``run_dir`` (made if new); returns it (its lightning_logs holds the run)."""
+    run_dir.mkdir(exist_ok=True)
+    result = run_cohort(["fit", *args, *QUIET, *extra], cwd=run_dir)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return run_dir
+
+
+def without_key_bias(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop the key third of each qkv bias. Its true gradient is exactly zero (softmax ignores a shift shared by
+    all keys), so what it gets is rounding noise, which Adam scales up to full-size steps: equal sums computed in
+    another order legitimately move it by up to lr x steps."""
+    trimmed = dict(weights)
+    for name, tensor in weights.items():
+        if name.endswith("attn.qkv.bias"):
+            query, _, value = tensor.chunk(3)
+            trimmed[name] = torch.cat([query, value])
+    return trimmed
+
+
+def assert_weights_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float) -> None:
+    a, b = without_key_bias(a), without_key_bias(b)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=rtol * a[name].abs().max().item(), msg=name)
+
+
+def assert_weights_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, f"not bitwise equal: {different}"
+
+
+def test_single_process_fit_logs_to_tensorboard(tmp_path: Path, debug_run_args: list[str]) -> None:
+    fit(tmp_path, debug_run_args, "--trainer.max_steps", "6", "--val_every_n_steps", "3",
+        "--data.global_batch_size", "8", "--data.micro_batch_size", "4")
+    log_dir = tmp_path / "lightning_logs" / "version_0"
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "val/loss", "val/perplexity", "lr", "throughput/tokens_per_second"} <= tags
+    val_loss = [event.value for event in events.Scalars("val/loss")]
+    perplexity = [event.value for event in events.Scalars("val/perplexity")]
+    assert len(val_loss) == 2 and val_loss[1] < val_loss[0]
+    assert perplexity[-1] == pytest.approx(torch.tensor(val_loss[-1]).exp().item(), rel=1e-5)
+    assert (log_dir / "hparams.yaml").read_text().count("model_name: debug") == 1
+    assert (log_dir / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_ddp_two_processes_match_one_process(tmp_path: Path, debug_run_args: list[str]) -> None:
+    """Same global batch: 1 process x 2 accumulation steps and 2 processes x 1 step train the same weights."""
+    batch = ["--trainer.max_steps", "5", "--data.global_batch_size", "8", "--data.micro_batch_size", "4"]
+    single = fit(tmp_path / "single", debug_run_args, *batch)
+    ddp = fit(tmp_path / "ddp", debug_run_args, *batch, *DDP_2)
+    assert_weights_close(last_checkpoint_weights(single), last_checkpoint_weights(ddp), rtol=1e-5)
+
+
+def test_accumulation_matches_a_larger_micro_batch(tmp_path: Path, debug_run_args: list[str]) -> None:
+    runs = {}
+    for micro in (4, 8):
+        runs[micro] = fit(tmp_path / f"micro{micro}", debug_run_args, "--trainer.max_steps", "5",
+                          "--data.global_batch_size", "8", "--data.micro_batch_size", str(micro))
+    assert_weights_close(last_checkpoint_weights(runs[4]), last_checkpoint_weights(runs[8]), rtol=1e-5)
+
+
+def test_ddp_all_reduces_gradients_once_per_optimizer_step(tmp_path: Path, debug_run_args: list[str]) -> None:
+    fit(tmp_path, debug_run_args, *DDP_2, "--trainer.max_steps", "4",
+        "--data.global_batch_size", "16", "--data.micro_batch_size", "2",  # 4 micro-batches per step per rank
+        "--trainer.callbacks+=tests.helpers.GradientAllReduceCounter",
+        f"--trainer.callbacks.out_dir={tmp_path}")
+    for rank in (0, 1):
+        summary = json.loads((tmp_path / f"allreduce_rank{rank}.json").read_text())
+        assert summary["accumulation"] == 4 and summary["batches"] == 16
+        assert summary["reducing_batches"] == [3, 7, 11, 15]  # only the last micro-batch of each step
+
+
+@pytest.mark.parametrize("processes", [1, 2], ids=["1-process", "ddp-2"])
+def test_resume_after_sigkill_is_bitwise_exact(tmp_path: Path, debug_run_args: list[str], processes: int) -> None:
+    """N steps straight == N/2 steps, SIGKILL inside an accumulation window, resume to N (dropout on)."""
+    run = [*debug_run_args, "--trainer.max_steps", "6", "--checkpoint.every_n_train_steps", "3",
+           "--val_every_n_steps", "2", "--model.dropout", "0.1",
+           "--data.global_batch_size", "8", "--data.micro_batch_size", "2",
+           "--trainer.devices", str(processes), "--trainer.strategy", "ddp" if processes > 1 else "auto"]
+    straight = fit(tmp_path / "straight", run)
+
+    interrupted = tmp_path / "interrupted"
+    interrupted.mkdir()
+    killed = run_cohort(["fit", *run, *QUIET, "--trainer.callbacks+=tests.helpers.KillAtStep",
+                         "--trainer.callbacks.step=4", "--trainer.callbacks.micro_batch=1"], cwd=interrupted)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    checkpoint = torch.load(interrupted / "lightning_logs/version_0/checkpoints/last.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 3  # the kill lost step 4's partial window and all of step 3 -> 4
+    fit(interrupted, run, "--ckpt_path", "last")
+
+    assert not (interrupted / "lightning_logs" / "version_1").exists()  # the resumed run logs into its own folder
+    assert_weights_equal(last_checkpoint_weights(straight), last_checkpoint_weights(interrupted))
+
+
+def test_validation_loss_is_the_same_on_one_and_two_processes(tmp_path: Path, debug_run_args: list[str]) -> None:
+    """Validation covers the same windows at any world size (here 9 windows: uneven across 2 ranks)."""
+    losses = []
+    for processes in (1, 2):
+        run_dir = tmp_path / str(processes)
+        run_dir.mkdir()
+        result = run_cohort(["validate", *debug_run_args, *QUIET, "--data.val_samples", "9",
+                             "--trainer.limit_val_batches", "1.0", "--trainer.devices", str(processes),
+                             "--trainer.strategy", "ddp" if processes > 1 else "auto"], cwd=run_dir)
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses.append(float(re.search(r"val/loss\W+([0-9.]+)", result.stdout).group(1)))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_predict_generates_text_from_a_checkpoint(tmp_path: Path, debug_run_args: list[str]) -> None:
+    fit(tmp_path, debug_run_args, "--trainer.max_steps", "2", "--data.global_batch_size", "4",
+        "--data.micro_batch_size", "4")
+    result = run_cohort(["predict", *debug_run_args, *QUIET, "--ckpt_path", "last", "--model.max_new_tokens", "20",
+                         "--data.prompts", "['import os']"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout.split("--- prompt 0 (rank 0) ---\n", 1)[1]
+    assert output.startswith("import os") and len(output.encode()) >= len("import os") + 10
