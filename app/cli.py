@@ -11,16 +11,16 @@ from __future__ import annotations
 import os
 import re
 import sys
-import zipfile
 from pathlib import Path
 
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from app.callbacks import PerRankSeed, PrintPredictions, RunCheckpoint, Throughput
 from app.errors import UserError
-from app.run_plan import apply_batch_plan, find_last_checkpoint, resolve_precision
+from app.run_plan import apply_batch_plan, check_checkpoint, find_last_checkpoint, resolve_precision
 from datamodules.language_modeling import LanguageModelingDataModule
 from models.language_model import GPTLanguageModel
 
@@ -63,6 +63,11 @@ class CohortCLI(LightningCLI):
             help="validate every N optimizer steps (whatever the accumulation); None: once per epoch",
         )
 
+    def _parse_ckpt_path(self) -> None:
+        """Keep the config the user wrote. Lightning would replace the model's arguments with those stored in the
+        checkpoint (and unpickle the whole file to read them); instead ``check_checkpoint`` refuses, in one line,
+        a checkpoint whose architecture differs from the config."""
+
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
         trainer = config.trainer
@@ -73,10 +78,10 @@ class CohortCLI(LightningCLI):
         trainer.precision = resolve_precision(trainer.precision, accelerator)
         if config.ckpt_path == "last":
             config.ckpt_path = self._resume_last(trainer)
-        elif config.ckpt_path is not None:
-            check_checkpoint_file(Path(config.ckpt_path))
+        if config.ckpt_path not in (None, "last"):
+            check_checkpoint(Path(config.ckpt_path), config.model)
 
-    def _resume_last(self, trainer_config) -> str | None:
+    def _resume_last(self, trainer_config: Namespace) -> str | None:
         """Resolve ``--ckpt_path last`` to the newest run's last.ckpt and log into that run's folder again."""
         logger = trainer_config.logger
         if not (hasattr(logger, "class_path") and logger.class_path.endswith("TensorBoardLogger")):
@@ -86,22 +91,12 @@ class CohortCLI(LightningCLI):
         if checkpoint is None:
             rank_zero_info(f"--ckpt_path last: no checkpoint under {log_root}/version_*/checkpoints, starting a new run")
             return None
-        check_checkpoint_file(checkpoint)
         logger.init_args.version = checkpoint.parent.parent.name
         rank_zero_info(f"resuming from {checkpoint}")
         return str(checkpoint)
 
     def before_fit(self) -> None:
         apply_batch_plan(self.trainer, self.model, self.datamodule, self.config.fit.val_every_n_steps)
-
-
-def check_checkpoint_file(path: Path) -> None:
-    if not path.is_file():
-        raise UserError(f"checkpoint {path} does not exist: pass a .ckpt file, or --ckpt_path last")
-    if not os.access(path, os.R_OK):
-        raise UserError(f"checkpoint {path} is not readable: fix its permissions")
-    if not zipfile.is_zipfile(path):
-        raise UserError(f"checkpoint {path} is not a torch checkpoint (truncated or another format): use another one")
 
 
 def main(args: list[str] | None = None) -> None:

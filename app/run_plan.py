@@ -5,10 +5,13 @@ All batch-size arithmetic lives here: global = micro x devices x nodes x accumul
 
 from __future__ import annotations
 
+import os
+import zipfile
 from pathlib import Path
 
 import lightning as L
 import torch
+from jsonargparse import Namespace
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.errors import UserError
@@ -87,3 +90,20 @@ def find_last_checkpoint(log_root: Path) -> Path | None:
     """The newest ``version_*/checkpoints/last.ckpt`` under a TensorBoard log root."""
     candidates = list(log_root.glob("version_*/checkpoints/last.ckpt"))
     return max(candidates, key=lambda path: path.stat().st_mtime) if candidates else None
+
+
+def check_checkpoint(path: Path, model_config: Namespace) -> None:
+    """A UserError, before anything starts, for a checkpoint that is missing, broken, or of another model."""
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist: pass a .ckpt file, or --ckpt_path last")
+    if not os.access(path, os.R_OK):
+        raise UserError(f"checkpoint {path} is not readable: fix its permissions")
+    if not zipfile.is_zipfile(path):
+        raise UserError(f"checkpoint {path} is not a torch checkpoint (truncated or another format): use another one")
+    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False).get("hyper_parameters", {})
+    for name in ("model_name", "vocab_size"):  # what decides the shapes of the weights
+        if name in saved and saved[name] != model_config[name]:
+            raise UserError(
+                f"checkpoint {path} was trained with model.{name}={saved[name]!r} but the config says "
+                f"{model_config[name]!r}: use that run's config.yaml, or another checkpoint"
+            )

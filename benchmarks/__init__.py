@@ -1,0 +1,1 @@
+"""Benchmarks; a package so that the CLI can load ``benchmarks.lightning_overhead.StepTimer`` as a callback."""

@@ -1,0 +1,135 @@
+"""Samplers, token files and the prepare command: distributed correctness and clear failures."""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from app.errors import UserError
+from datamodules.prepare import collect_text_files, main as prepare_main, prepare_byte_corpus
+from datamodules.samplers import EvenShardSampler, GlobalBatchSampler
+from datamodules.token_files import IGNORE_INDEX, PADDING_INDEX, TokenWindows, check_token_file
+
+
+def rank_streams(world_size: int, start_step: int = 0, epoch: int = 0, seed: int = 7,
+                 global_batch: int = 16, micro: int = 2, num_samples: int = 200) -> list[list[int]]:
+    streams = []
+    for rank in range(world_size):
+        sampler = GlobalBatchSampler(num_samples, global_batch, micro, rank, world_size, seed, start_step)
+        sampler.set_epoch(epoch)
+        streams.append(list(sampler))
+    return streams
+
+
+def step_sets(streams: list[list[int]], global_batch: int) -> list[set[int]]:
+    """The set of samples each optimizer step consumes, over all ranks."""
+    world_size = len(streams)
+    per_rank = global_batch // world_size
+    steps = len(streams[0]) // per_rank
+    return [{i for stream in streams for i in stream[s * per_rank : (s + 1) * per_rank]} for s in range(steps)]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ranks_see_disjoint_samples(world_size: int) -> None:
+    streams = rank_streams(world_size)
+    seen = [set(stream) for stream in streams]
+    assert sum(len(s) for s in seen) == len(set().union(*seen))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_each_step_uses_the_same_samples_at_any_world_size(world_size: int) -> None:
+    reference = step_sets(rank_streams(1), 16)
+    assert len(reference) == 200 // 16
+    assert step_sets(rank_streams(world_size), 16) == reference
+
+
+def test_sampling_is_reproducible_and_changes_with_epoch_and_seed() -> None:
+    assert rank_streams(2) == rank_streams(2)
+    assert rank_streams(2, epoch=1) != rank_streams(2)
+    assert rank_streams(2, seed=8) != rank_streams(2)
+
+
+def test_resuming_at_a_step_continues_the_same_stream() -> None:
+    full = rank_streams(2)
+    resumed = rank_streams(2, start_step=5)
+    per_rank_per_step = 16 // 2
+    assert all(r == f[5 * per_rank_per_step :] for r, f in zip(resumed, full))
+    assert rank_streams(2, start_step=5, epoch=1) == rank_streams(2, epoch=1)  # only the resumed epoch is cut
+
+
+def test_sampler_length_is_whole_steps() -> None:
+    sampler = GlobalBatchSampler(200, 16, 2, 0, 2, 0)
+    assert sampler.accumulation == 4 and len(sampler) == (200 // 16) * 8 == len(list(sampler))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_validation_covers_every_window_once_with_equal_counts(world_size: int) -> None:
+    shards = [list(EvenShardSampler(10, rank, world_size)) for rank in range(world_size)]
+    assert len({len(shard) for shard in shards}) == 1  # nobody waits for a rank with more batches
+    real = [i for shard in shards for i in shard if i != PADDING_INDEX]
+    assert sorted(real) == list(range(10))
+
+
+def test_padding_samples_are_ignored_by_the_loss(tmp_path: Path) -> None:
+    np.arange(100, dtype="<u2").tofile(tmp_path / "t.bin")
+    dataset = TokenWindows(tmp_path / "t.bin", sequence_length=8, vocab_size=256)
+    inputs, targets = dataset[PADDING_INDEX]
+    assert (targets == IGNORE_INDEX).all() and inputs.shape == (8,)
+    inputs, targets = dataset[2]
+    assert inputs.tolist() == list(range(16, 24)) and targets.tolist() == list(range(17, 25))
+
+
+def test_token_files_are_memory_mapped_not_read_whole(tmp_path: Path) -> None:
+    path = tmp_path / "huge.bin"
+    with open(path, "wb") as handle:  # 2 GiB of zeros that take no disk: a sparse file
+        handle.truncate(2**31)
+    dataset = TokenWindows(path, sequence_length=1024, vocab_size=50257)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    for index in (0, len(dataset) // 2, len(dataset) - 1):
+        inputs, _ = dataset[index]
+        assert inputs.shape == (1024,)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mib < 100, f"reading 3 samples grew the process by {grown_mib:.0f} MiB"
+
+
+def test_uint32_tokens_for_large_vocabularies(tmp_path: Path) -> None:
+    np.array([70000, 1, 2, 3, 4], dtype="<u4").tofile(tmp_path / "t.bin")
+    inputs, targets = TokenWindows(tmp_path / "t.bin", 4, vocab_size=100_000)[0]
+    assert inputs[0].item() == 70000
+
+
+def test_token_file_of_partial_tokens_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    with pytest.raises(UserError, match="not a whole number of 2-byte tokens"):
+        check_token_file(tmp_path / "odd.bin", vocab_size=256)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tmp_path: Path) -> None:
+    np.array([1, 2, 300, 4, 5], dtype="<u2").tofile(tmp_path / "t.bin")
+    with pytest.raises(UserError, match="outside vocab_size=256"):
+        TokenWindows(tmp_path / "t.bin", 4, vocab_size=256)[0]
+
+
+def test_prepare_splits_by_file_and_writes_bytes(tmp_path: Path) -> None:
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(10):
+        (texts / f"{i}.txt").write_text(f"document {i} é\n")
+    (texts / "skip.bin").write_bytes(b"\x00")
+    files = collect_text_files([texts])
+    assert len(files) == 10
+    train, val = prepare_byte_corpus(files, tmp_path / "out", val_fraction=0.1)
+    val_text = np.fromfile(tmp_path / "out" / "val.bin", dtype="<u2").astype(np.uint8).tobytes().decode()
+    assert val_text == "document 9 é\n" and val == len(val_text.encode())
+    assert train == sum(len(f.read_bytes()) for f in files[:9]) + 8  # joined by newlines
+
+
+def test_prepare_command_reports_missing_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        prepare_main([str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
+    assert "does not exist" in str(exit_info.value.code)
+    assert not (tmp_path / "out").exists()
