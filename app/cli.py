@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 from jsonargparse import Namespace
@@ -100,6 +101,8 @@ class CohortCLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> None:
+    # noise from Lightning's own use of a torch API that torch deprecated; nothing a user can act on
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     try:
         CohortCLI(args=args)
     except (UserError, MisconfigurationException) as error:

@@ -148,21 +148,14 @@ def lightning_command(args: argparse.Namespace, out: Path) -> list[str]:
     ]
 
 
-def worker_args(args: argparse.Namespace) -> list[str]:
-    """The options this run was given, to start the plain-loop worker with."""
-    names = ["model", "steps", "warmup_steps", "global_batch_size", "micro_batch_size", "sequence_length", "seed",
-             "threads", "learning_rate", "weight_decay", "lr_warmup_steps", "log_every_n_steps", "data_dir"]
-    return [item for name in names for item in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
-
-
 def run_once(kind: str, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     run_dir.mkdir(parents=True)
     out = run_dir / "steps.json"
     if kind == "lightning":
         command = lightning_command(args, out)
     else:
-        command = [sys.executable, "-m", "benchmarks.lightning_overhead", "--worker", "plain", "--out", str(out),
-                   *worker_args(args)]
+        command = [sys.executable, "-m", "benchmarks.lightning_overhead", *args.argv, "--threads", str(args.threads),
+                   "--worker", "plain", "--out", str(out), "--data-dir", args.data_dir]
     # the same environment for both: torch's intra-op threads fixed, the repo importable, warnings off
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore",
            "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
@@ -179,10 +172,8 @@ def timed_steps(result: dict[str, Any], warmup: int) -> list[tuple[float, float]
     """(seconds, cores used by other processes) of each optimizer step after the warmup, from consecutive
     end-of-step samples."""
     samples = result["samples"][warmup - 1:]
-    steps = []
-    for (t0, own0, busy0), (t1, own1, busy1) in zip(samples, samples[1:]):
-        steps.append((t1 - t0, max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)))
-    return steps
+    return [(t1 - t0, max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0))
+            for (t0, own0, busy0), (t1, own1, busy1) in zip(samples, samples[1:])]
 
 
 def median_time(runs: list[dict[str, Any]], warmup: int, quiet: bool) -> tuple[float, int]:
@@ -250,6 +241,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv  # the plain-loop worker gets the same options
     if args.worker == "plain":
         Path(args.out).write_text(json.dumps(run_plain(args)))
         return

@@ -106,8 +106,9 @@ class GPTLanguageModel(L.LightningModule):
     def _log_loss_and_perplexity(self, split: str, metric: MeanMetric) -> None:
         loss = metric.compute()  # a collective: every rank gets the mean over all ranks' tokens
         metric.reset()
-        self.log(f"{split}/loss", loss, prog_bar=True)
-        self.log(f"{split}/perplexity", torch.exp(loss))
+        # already the same on every rank; sync_dist only tells Lightning so (an all-reduce of one number)
+        self.log(f"{split}/loss", loss, prog_bar=True, sync_dist=True)
+        self.log(f"{split}/perplexity", torch.exp(loss), sync_dist=True)
 
     def predict_step(self, prompt: torch.Tensor, batch_idx: int) -> dict[str, str]:
         return {"prompt": decode_bytes(prompt[0]), "completion": self.generate_text(prompt)}
