@@ -95,7 +95,8 @@ class LanguageModelingDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         """Build the embedded corpus once per node (Lightning calls this on local rank 0 only)."""
-        if not (self.data_dir / "train.bin").exists() and self.data_dir == DEFAULT_CORPUS_DIR:
+        built = all((self.data_dir / f"{split}.bin").exists() for split in ("train", "val"))
+        if self.data_dir == DEFAULT_CORPUS_DIR and not built:
             train_tokens, val_tokens = prepare_byte_corpus(stdlib_source_files(), self.data_dir)
             print(f"built the embedded corpus in {self.data_dir}: {train_tokens:,} train and {val_tokens:,} val tokens")
 

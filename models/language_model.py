@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -124,11 +125,6 @@ class GPTLanguageModel(L.LightningModule):
         return decode_bytes(tokens[0, prompt.size(1) :])
 
     def configure_optimizers(self) -> dict[str, Any]:
-        # GPT-2 recipes decay only the weight matrices: never biases, norms or embeddings (the tied head included)
-        embeddings = {id(m.weight) for m in self.model.modules() if isinstance(m, nn.Embedding)}
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
-        no_decay = [p for p in params if p.dim() < 2 or id(p) in embeddings]
         lr = self.effective_learning_rate
         if self.hparams.reference_batch_size is not None:
             rank_zero_info(
@@ -136,10 +132,12 @@ class GPTLanguageModel(L.LightningModule):
                 f"{self.hparams.global_batch_size} / reference batch {self.hparams.reference_batch_size}"
             )
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            weight_decay_groups(self.model, self.hparams.weight_decay),
             lr=lr,
             betas=self.hparams.betas,
-            fused=self.device.type in ("cuda", "cpu"),  # one kernel for all parameters where torch has it
+            # one kernel for all parameters where torch has it; not under fp16's grad scaler, where Lightning
+            # must unscale gradients before clipping and a fused optimizer would unscale them itself
+            fused=self.device.type in ("cuda", "cpu") and self.trainer.precision != "16-mixed",
         )
         decay_steps = self.hparams.lr_decay_steps or self.trainer.estimated_stepping_batches
         schedule = warmup_cosine_schedule(self.hparams.warmup_steps, int(decay_steps), self.hparams.min_learning_rate_ratio)
@@ -147,7 +145,16 @@ class GPTLanguageModel(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def warmup_cosine_schedule(warmup_steps: int, decay_steps: int, min_ratio: float):
+def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """GPT-2 recipes decay only the weight matrices: never biases, norms or embeddings (the tied head included)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
+    no_decay = [p for p in params if p.dim() < 2 or id(p) in embeddings]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def warmup_cosine_schedule(warmup_steps: int, decay_steps: int, min_ratio: float) -> Callable[[int], float]:
     """LR multiplier for step s: linear warmup to 1, cosine down to ``min_ratio`` at ``decay_steps``, then flat."""
 
     def multiplier(step: int) -> float:

@@ -9,7 +9,8 @@ import torch
 
 from app.errors import UserError
 from app.run_plan import gradient_accumulation, resolve_precision
-from models.language_model import GPTLanguageModel, warmup_cosine_schedule
+from models.gpt import GPT, GPT_CONFIGS
+from models.language_model import GPTLanguageModel, warmup_cosine_schedule, weight_decay_groups
 
 
 @pytest.mark.parametrize(("world_size", "micro", "expected"), [(1, 4, 8), (2, 4, 4), (8, 4, 1), (4, 2, 4)])
@@ -57,16 +58,13 @@ def test_linear_lr_scaling_rule() -> None:
 
 
 def test_no_weight_decay_on_biases_norms_and_embeddings() -> None:
-    model = GPTLanguageModel("debug")
-    model.hparams.lr_decay_steps = 100
-    optimizer = model.configure_optimizers()["optimizer"]
-    decay, no_decay = optimizer.param_groups
-    names = {id(p): n for n, p in model.model.named_parameters()}
+    model = GPT(GPT_CONFIGS["debug"])
+    decay, no_decay = weight_decay_groups(model, weight_decay=0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(names[id(p)].endswith("weight") and "ln" not in names[id(p)] for p in decay["params"])
-    assert "wte.weight" in {names[id(p)] for p in no_decay["params"]}
-    assert {"wpe.weight", "ln_f.weight", "blocks.0.attn.qkv.bias"} <= {names[id(p)] for p in no_decay["params"]}
-    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.model.parameters()))
+    assert {"wte.weight", "wpe.weight", "ln_f.weight", "blocks.0.attn.qkv.bias"} <= {names[id(p)] for p in no_decay["params"]}
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
 def test_unknown_model_name_lists_the_known_ones() -> None:
