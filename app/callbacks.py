@@ -1,9 +1,8 @@
-"""Callbacks every run gets: per-rank seeding, checkpoints written atomically, throughput, generated text."""
+"""Callbacks every run gets: per-rank seeding, checkpoints written atomically and kept at the end, generated text."""
 
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import lightning as L
@@ -36,41 +35,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         partial = f"{path}.partial"
         super().save_checkpoint(checkpoint, partial, storage_options)
         os.replace(partial, path)
-
-
-class Throughput(Callback):
-    """Tokens and samples per second over all ranks, measured between optimizer steps (validation excluded)."""
-
-    def __init__(self) -> None:
-        self._last_time: float | None = None
-        self._last_step = 0
-        self._train_seconds = 0.0
-        self._train_steps = 0
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if trainer.global_step == self._last_step:
-            return  # still accumulating
-        now = time.perf_counter()
-        if self._last_time is not None:
-            steps, elapsed = trainer.global_step - self._last_step, now - self._last_time
-            samples = steps * trainer.datamodule.global_batch_size
-            pl_module.log("throughput/samples_per_second", samples / elapsed)
-            pl_module.log("throughput/tokens_per_second", samples * trainer.datamodule.sequence_length / elapsed)
-            self._train_seconds += elapsed
-            self._train_steps += steps
-        self._last_time, self._last_step = now, trainer.global_step
-
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._last_time = None  # the next step restarts the clock
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._train_steps:
-            tokens = self._train_steps * trainer.datamodule.global_batch_size * trainer.datamodule.sequence_length
-            rank_zero_info(
-                f"throughput: {tokens / self._train_seconds:,.0f} tokens/s over {self._train_steps} timed steps "
-                f"({self._train_seconds / self._train_steps:.3f} s/step)"
-            )
 
 
 class PrintGeneratedText(Callback):

@@ -4,6 +4,7 @@
     cohort fit -c configs/trainer/ddp_cpu.yaml -c configs/gpt/quickstart.yaml   # the same run on 2 processes
     cohort fit -c configs/quickstart.yaml --ckpt_path last                  # resume the newest run
     cohort predict -c configs/quickstart.yaml --ckpt_path last              # generate text from it
+    torchrun --nproc_per_node=2 -m app comm                                 # collective bandwidth (app/comm.py)
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from app.callbacks import PerRankSeed, PrintPredictions, RunCheckpoint, Throughput
+from app import comm
+from app.callbacks import PerRankSeed, PrintPredictions, RunCheckpoint
+from app.monitoring import RankMonitor, ReplicaDivergenceError
 from app.errors import UserError
 from app.run_plan import apply_batch_plan, check_checkpoint, find_last_checkpoint, resolve_precision
 from datamodules.language_modeling import LanguageModelingDataModule
@@ -41,7 +44,7 @@ class CohortCLI(LightningCLI):
                 },
                 "plugins": [{"class_path": "app.callbacks.AtomicCheckpointIO"}],
                 "use_distributed_sampler": False,  # the datamodule shards by rank itself
-                "callbacks": [PerRankSeed(), Throughput(), PrintPredictions()],
+                "callbacks": [PerRankSeed(), PrintPredictions()],
             },
             save_config_kwargs={"overwrite": True},  # a resumed run rewrites its own config.yaml
             args=args,
@@ -59,6 +62,7 @@ class CohortCLI(LightningCLI):
                 "checkpoint.enable_version_counter": False,  # resumed runs keep writing last.ckpt
             }
         )
+        parser.add_lightning_class_args(RankMonitor, "monitor")  # per-rank timing, stragglers, MFU, memory
         parser.add_argument(
             "--val_every_n_steps", type=int | None, default=None,
             help="validate every N optimizer steps (whatever the accumulation); None: once per epoch",
@@ -101,11 +105,14 @@ class CohortCLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["comm"]:
+        return comm.main(argv[1:])
     # noise from Lightning's own use of a torch API that torch deprecated; nothing a user can act on
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     try:
         CohortCLI(args=args)
-    except (UserError, MisconfigurationException) as error:
+    except (UserError, MisconfigurationException, ReplicaDivergenceError) as error:
         if os.environ.get("COHORT_TRACEBACK"):
             raise
         message = re.sub(r"\s+", " ", str(error)).strip()  # one line, also for Lightning's wrapped messages

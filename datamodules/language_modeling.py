@@ -7,6 +7,8 @@ once into ``data/python_stdlib`` by the first process of each node.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +24,25 @@ from datamodules.token_files import TokenWindows, check_token_file
 
 
 class ResumableDataLoader(DataLoader):
-    """A DataLoader that Lightning treats as resumable.
+    """A DataLoader that Lightning treats as resumable, and that counts the time the loop waits for batches.
 
     The position in the stream is not state: it follows from the optimizer step that Lightning restores. What
     is saved is what the stream depends on, so that a resume that would not continue the same stream says so.
     """
+
+    wait_seconds = 0.0  # time spent inside next(): the data stall the monitor reports
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = super().__iter__()
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            finally:
+                self.wait_seconds += time.perf_counter() - start
+            yield batch
 
     def state_dict(self) -> dict[str, int]:
         sampler: GlobalBatchSampler = self.sampler  # type: ignore[assignment]

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 import sys
 from pathlib import Path
 from typing import Any
@@ -71,3 +72,28 @@ class GradientAllReduceCounter(Callback):
         summary = {"accumulation": trainer.accumulate_grad_batches, "batches": self.batch_idx + 1,
                    "reducing_batches": sorted(self.reducing_batches)}
         (self.out_dir / f"allreduce_rank{trainer.global_rank}.json").write_text(json.dumps(summary))
+
+
+class SlowRank(Callback):
+    """Makes one rank slower: a sleep inside its step, between forward and backward."""
+
+    def __init__(self, rank: int, seconds: float) -> None:
+        self.rank = rank
+        self.seconds = seconds
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if trainer.global_rank == self.rank:
+            time.sleep(self.seconds)
+
+
+class PerturbWeights(Callback):
+    """Nudges one rank's weights once, as a bit flip or a bad update would, so replicas diverge."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank = rank
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            with torch.no_grad():
+                next(pl_module.parameters()).view(-1)[0] += 1e-3

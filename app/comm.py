@@ -1,0 +1,163 @@
+"""``cohort comm``: collective bandwidth of the current process group, measured as nccl-tests measures it.
+
+    torchrun --nproc_per_node=8 -m app comm                   # one node
+    srun --ntasks-per-node=8 python -m app comm --csv comm.csv  # under SLURM
+
+For each operation and message size it reports the time per call, the algorithm bandwidth (bytes / time) and the
+bus bandwidth, which corrects for how much each rank must send whatever the algorithm, so that it can be compared
+with the link's speed: all-reduce x 2(n-1)/n, all-gather and reduce-scatter x (n-1)/n (n = world size, bytes =
+the full buffer). NCCL on GPUs, gloo on CPUs. Rank and world size come from torchrun's or SLURM's environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+from app.errors import UserError
+
+BUS_FACTOR: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+}
+
+
+@dataclass
+class Measurement:
+    operation: str
+    bytes: int
+    seconds: float
+    algorithm_gbps: float  # GB/s, 1e9 bytes
+    bus_gbps: float
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper().rstrip("B")
+    try:
+        return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
+    except (ValueError, IndexError):
+        raise UserError(f"message size {text!r} is not a size: use e.g. 1K, 4M, 256M") from None
+
+
+def message_sizes(smallest: int, largest: int) -> list[int]:
+    """Powers of 4 from smallest to largest, as nccl-tests' -f 4 steps."""
+    sizes, size = [], smallest
+    while size <= largest:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def init_process_group() -> torch.device:
+    """Join the job's process group from torchrun's or SLURM's variables (a world of one otherwise)."""
+    for environment in (TorchElasticEnvironment, SLURMEnvironment):
+        if environment.detect():
+            env = environment()
+            rank, world_size = env.global_rank(), env.world_size()
+            os.environ.setdefault("MASTER_ADDR", env.main_address)
+            os.environ.setdefault("MASTER_PORT", str(env.main_port))
+            local_rank = env.local_rank()
+            break
+    else:
+        rank, world_size, local_rank = 0, 1, 0
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    return device
+
+
+def time_collective(operation: str, elements: int, device: torch.device, iterations: int, warmup: int) -> float:
+    """Seconds per call on a float32 buffer of ``elements``, the slowest rank's (a collective ends with its last
+    rank)."""
+    world_size = dist.get_world_size()
+    full = torch.ones(elements, dtype=torch.float32, device=device)
+    shard = torch.empty(elements // world_size, dtype=torch.float32, device=device)
+    run = {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+    }[operation]
+    for _ in range(warmup):
+        run()
+    synchronize(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iterations):
+        run()
+    synchronize(device)
+    elapsed = torch.tensor([(time.perf_counter() - start) / iterations], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(operations: Sequence[str], sizes: Sequence[int], device: torch.device, iterations: int,
+            warmup: int) -> list[Measurement]:
+    world_size = dist.get_world_size()
+    results = []
+    for operation in operations:
+        for size in sizes:
+            elements = max(world_size, size // 4 // world_size * world_size)  # float32, whole shards per rank
+            seconds = time_collective(operation, elements, device, iterations, warmup)
+            algorithm = elements * 4 / seconds / 1e9
+            bus = algorithm * BUS_FACTOR[operation](world_size)
+            results.append(Measurement(operation, elements * 4, seconds, algorithm, bus))
+    return results
+
+
+def format_table(results: Sequence[Measurement], world_size: int, backend: str) -> str:
+    lines = [f"collectives over {world_size} ranks ({backend})",
+             f"{'operation':<15}{'size':>12}{'time (us)':>14}{'algbw (GB/s)':>15}{'busbw (GB/s)':>15}"]
+    for m in results:
+        lines.append(f"{m.operation:<15}{m.bytes:>12,}{m.seconds * 1e6:>14.1f}{m.algorithm_gbps:>15.4g}{m.bus_gbps:>15.4g}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="cohort comm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--min-size", default="1K", help="smallest message (default 1K)")
+    parser.add_argument("--max-size", default="256M", help="largest message (default 256M)")
+    parser.add_argument("--operations", nargs="+", default=list(BUS_FACTOR), choices=list(BUS_FACTOR))
+    parser.add_argument("--iterations", type=int, default=20, help="timed calls per size")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls per size first")
+    parser.add_argument("--csv", help="also write the results to this CSV file (rank 0)")
+    args = parser.parse_args(argv)
+    try:
+        sizes = message_sizes(parse_size(args.min_size), parse_size(args.max_size))
+        if not sizes:
+            raise UserError(f"--min-size {args.min_size} is larger than --max-size {args.max_size}")
+        device = init_process_group()
+    except UserError as error:
+        sys.exit(f"cohort comm: error: {error}")
+    try:
+        results = measure(args.operations, sizes, device, args.iterations, args.warmup)
+        if dist.get_rank() == 0:
+            print(format_table(results, dist.get_world_size(), dist.get_backend()))
+            if args.csv:
+                with open(args.csv, "w", newline="") as handle:
+                    writer = csv.DictWriter(handle, fieldnames=list(asdict(results[0])))
+                    writer.writeheader()
+                    writer.writerows(asdict(m) for m in results)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,322 @@
+"""See every rank: step-time split, stragglers, per-rank loss, replica consistency, throughput, MFU and memory.
+
+Each rank measures its own window of ``every_n_steps`` optimizer steps; at the window's end one all_gather of a
+small float64 row per rank brings every number to every rank, so every rank reaches the same verdicts and rank 0
+logs them. Lightning's loggers only see rank 0, which is why the numbers travel this way.
+
+Step time is split into data wait (the loop blocked on the DataLoader), compute (forward, backward and optimizer,
+without the time blocked in DDP's gradient all-reduce), sync wait (that blocked time: from the moment the last
+gradient bucket was ready on this rank until backward returned) and other (the rest of the loop). On GPUs the
+compute and sync markers are CUDA events, so they measure the device, not the launch queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import resource
+import socket
+import statistics
+import time
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from app.flops import formula_flops_per_token, measured_flops_per_token, peak_tflops_per_device
+
+# One row per rank per window; the names are also the TensorBoard tags under monitor/.
+FIELDS = ("data_wait_s", "compute_s", "sync_wait_s", "step_s", "loss", "loss_std", "host_rss_gib",
+          "cuda_peak_allocated_gib", "cuda_peak_reserved_gib", "param_checksum", "param_square_sum")
+PER_STEP_FIELDS = ("data_wait_s", "compute_s", "sync_wait_s", "step_s")
+GIB = 2**30
+# alerts go through logging, not warnings: a run started with -W ignore must still hear about a straggler
+alert = rank_zero_only(logging.getLogger(__name__).warning)
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """DDP replicas that should hold identical weights do not."""
+
+
+def host_rss_bytes() -> float:
+    """Resident memory of this process (Linux /proc; elsewhere the peak from getrusage)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Marker:
+    """A point in time: a CUDA event on GPUs (read later, without stalling the stream), else perf_counter."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.event = torch.cuda.Event(enable_timing=True) if cuda else None
+        self.time = 0.0 if cuda else time.perf_counter()
+        if self.event is not None:
+            self.event.record()
+
+    def seconds_until(self, later: Marker) -> float:
+        if self.event is not None and later.event is not None:
+            later.event.synchronize()
+            return self.event.elapsed_time(later.event) / 1000
+        return later.time - self.time
+
+
+class RankMonitor(Callback):
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        straggler_factor: float = 1.5,
+        straggler_windows: int = 3,
+        data_wait_warning_share: float = 0.1,
+        loss_alert_sigmas: float = 6.0,
+        replica_check_every_n_steps: int = 100,
+        peak_tflops: float | None = None,
+    ) -> None:
+        """
+        Args:
+            every_n_steps: optimizer steps per window (one all_gather each); None: trainer.log_every_n_steps.
+            straggler_factor: a rank whose compute exceeds the median by this factor is slow in that window.
+            straggler_windows: windows in a row a rank must be slow before it is reported as a straggler.
+            data_wait_warning_share: warn when waiting for data exceeds this share of the step time.
+            loss_alert_sigmas: warn when a rank's mean loss is this many standard errors from the others'.
+            replica_check_every_n_steps: compare DDP replicas' weights this often (0: never).
+            peak_tflops: peak TFLOP/s of one device, for MFU where the built-in table does not know the device.
+        """
+        self.every_n_steps = every_n_steps
+        self.straggler_factor = straggler_factor
+        self.straggler_windows = straggler_windows
+        self.data_wait_warning_share = data_wait_warning_share
+        self.loss_alert_sigmas = loss_alert_sigmas
+        self.replica_check_every_n_steps = replica_check_every_n_steps
+        self.peak_tflops = peak_tflops
+        self.hosts: list[str] = []
+        self.summary: list[dict[str, float]] = []  # one entry per window, on every rank
+        self.straggler_events = 0
+        self._slow_windows: dict[int, int] = {}
+        self._data_wait_warned = False
+
+    # ----- setup -----
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._trainer = trainer
+        self.every_n_steps = self.every_n_steps or trainer.log_every_n_steps
+        self._cuda = trainer.strategy.root_device.type == "cuda"
+        datamodule = trainer.datamodule
+        self.tokens_per_step = datamodule.global_batch_size * datamodule.sequence_length
+        self.samples_per_step = datamodule.global_batch_size
+        config = pl_module.model.config
+        formula = formula_flops_per_token(config, datamodule.sequence_length)
+        self.flops_per_token = measured_flops_per_token(config, datamodule.sequence_length)
+        if abs(self.flops_per_token - formula) > 0.05 * formula:
+            alert(f"FLOP count {self.flops_per_token:.4g}/token differs from 6N + 12LHQT = {formula:.4g}")
+        device_name = torch.cuda.get_device_name(trainer.strategy.root_device) if self._cuda else "CPU"
+        self.peak = self.peak_tflops or peak_tflops_per_device(device_name, str(trainer.precision))
+        self.hosts = [socket.gethostname()] * trainer.world_size
+        if dist.is_available() and dist.is_initialized():
+            dist.all_gather_object(self.hosts, socket.gethostname())  # once per run
+        self._sync_measured = self._register_sync_timer(trainer)
+        self._reset_window()
+
+    def _register_sync_timer(self, trainer: L.Trainer) -> bool:
+        """Time each backward's last gradient bucket with a DDP comm hook that then all-reduces as DDP would."""
+        if not isinstance(trainer.strategy, DDPStrategy) or trainer.world_size == 1:
+            return False
+
+        # no annotations: DDP compares them as real types, and this module's are strings (PEP 563)
+        def timed_allreduce(state, bucket):  # type: ignore[no-untyped-def]
+            self._last_bucket_ready = Marker(self._cuda)
+            return allreduce_hook(state, bucket)
+
+        try:
+            trainer.strategy.model.register_comm_hook(state=None, hook=timed_allreduce)
+        except RuntimeError:  # only one hook per model: the user's own comes first
+            rank_zero_info("monitor: another DDP comm hook is registered, so sync wait counts as compute")
+            return False
+        return True
+
+    def _reset_window(self) -> None:
+        self._window = dict.fromkeys(("data_wait_s", "compute_s", "sync_wait_s"), 0.0)
+        self._steps = 0
+        self._window_start = time.perf_counter()
+        self._data_wait_at_start = self._loader_wait()
+        self._paused = 0.0  # validation inside the window is not step time
+        self._losses: list[torch.Tensor] = []
+        self._micro_batches: list[tuple[Marker, Marker, Marker | None, Marker | None]] = []
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def _loader_wait(self) -> float:
+        """Seconds the loop has spent blocked on the train DataLoader (see ResumableDataLoader)."""
+        return getattr(self._trainer.train_dataloader, "wait_seconds", 0.0)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._pause_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.training and hasattr(self, "_window"):
+            self._paused += time.perf_counter() - self._pause_start
+
+    # ----- per micro-batch: markers only, nothing that stalls the device -----
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch_start = Marker(self._cuda)
+        self._last_bucket_ready: Marker | None = None
+        self._after_backward: Marker | None = None
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._after_backward = Marker(self._cuda) if self._last_bucket_ready is not None else None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        bucket_ready = self._last_bucket_ready if self._sync_measured else None
+        self._micro_batches.append((self._batch_start, Marker(self._cuda), bucket_ready,
+                                    self._after_backward if bucket_ready is not None else None))
+        # Lightning hands back the loss divided by the accumulation steps
+        self._losses.append(outputs["loss"].detach() * trainer.accumulate_grad_batches)
+        if trainer.global_step > getattr(self, "_last_step", 0):
+            self._last_step = trainer.global_step
+            self._steps += 1
+            if self._steps == self.every_n_steps:
+                self._close_window(trainer)
+
+    # ----- per window: one collective, then verdicts -----
+    def _close_window(self, trainer: L.Trainer) -> None:
+        for start, end, bucket_ready, after_backward in self._micro_batches:
+            sync = bucket_ready.seconds_until(after_backward) if bucket_ready and after_backward else 0.0
+            self._window["compute_s"] += start.seconds_until(end) - sync
+            self._window["sync_wait_s"] += sync
+        self._window["data_wait_s"] = self._loader_wait() - self._data_wait_at_start
+        losses = torch.stack(self._losses).double()
+        check_replicas = self._replica_check_due(trainer)
+        params = [p.detach() for p in trainer.lightning_module.parameters()] if check_replicas else []
+        row = torch.tensor([
+            *(self._window[f] / self._steps for f in ("data_wait_s", "compute_s", "sync_wait_s")),
+            (time.perf_counter() - self._window_start - self._paused) / self._steps,
+            losses.mean().item(), losses.std().item() if len(losses) > 1 else 0.0,
+            host_rss_bytes() / GIB,
+            torch.cuda.max_memory_allocated() / GIB if self._cuda else 0.0,
+            torch.cuda.max_memory_reserved() / GIB if self._cuda else 0.0,
+            float(sum(p.double().sum() for p in params)) if params else 0.0,
+            float(sum(p.double().square().sum() for p in params)) if params else 0.0,
+        ], dtype=torch.float64)
+        table = self._gather(trainer, row)  # (world_size, len(FIELDS))
+        window = {name: table[:, i].tolist() for i, name in enumerate(FIELDS)}
+        window["losses_per_rank"] = len(losses)
+        self._report(trainer, window)
+        if check_replicas:
+            self._check_replicas(trainer, window)
+        self._reset_window()
+
+    def _gather(self, trainer: L.Trainer, row: torch.Tensor) -> torch.Tensor:
+        if not (dist.is_available() and dist.is_initialized()):
+            return row.unsqueeze(0)
+        row = row.to(trainer.strategy.root_device)
+        rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, row)
+        return torch.stack(rows).cpu()
+
+    def _replica_check_due(self, trainer: L.Trainer) -> bool:
+        every = self.replica_check_every_n_steps
+        return (every > 0 and isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1
+                and trainer.global_step // every != (trainer.global_step - self._steps) // every)
+
+    def _report(self, trainer: L.Trainer, window: dict[str, Any]) -> None:
+        step_seconds = statistics.median(window["step_s"])
+        tokens_per_second = self.tokens_per_step / step_seconds
+        tflops = self.flops_per_token * tokens_per_second / 1e12
+        metrics = {
+            "throughput/tokens_per_second": tokens_per_second,
+            "throughput/samples_per_second": self.samples_per_step / step_seconds,
+            "throughput/tflops": tflops,
+            "throughput/tflops_per_device": tflops / trainer.world_size,
+        }
+        if self.peak:
+            metrics["throughput/mfu"] = tflops / (self.peak * trainer.world_size)
+        for name in FIELDS[:-2]:
+            values = window[name]
+            metrics.update({f"monitor/{name}/min": min(values), f"monitor/{name}/median": statistics.median(values),
+                            f"monitor/{name}/max": max(values)})
+            metrics.update({f"monitor/{name}/rank{rank}": value for rank, value in enumerate(values)})
+        data_share = [d / s for d, s in zip(window["data_wait_s"], window["step_s"])]
+        metrics["monitor/data_wait_share/max"] = max(data_share)
+        metrics.update(self._stragglers(window) | self._loss_outliers(window))
+        metrics["monitor/straggler_events"] = self.straggler_events
+        self.summary.append(metrics)
+        if max(data_share) > self.data_wait_warning_share and not self._data_wait_warned:
+            self._data_wait_warned = True
+            rank = data_share.index(max(data_share))
+            workers = trainer.datamodule.num_workers
+            alert(f"data loading takes {max(data_share):.0%} of the step time on rank {rank}: raise "
+                           f"data.num_workers (now {workers}), set data.pin_memory true on GPUs, or keep the token "
+                           "files on a local disk")
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _stragglers(self, window: dict[str, Any]) -> dict[str, float]:
+        compute = window["compute_s"]
+        median = statistics.median(compute)
+        for rank, seconds in enumerate(compute):
+            slow = len(compute) > 1 and seconds > self.straggler_factor * median
+            self._slow_windows[rank] = self._slow_windows.get(rank, 0) + 1 if slow else 0
+            if self._slow_windows[rank] == self.straggler_windows:
+                self.straggler_events += 1
+                alert(
+                    f"straggler: rank {rank} on {self.hosts[rank]} computes {seconds:.3f} s/step against a median "
+                    f"of {median:.3f} s ({seconds / median:.1f}x) for {self.straggler_windows} windows in a row; "
+                    "every rank waits for it"
+                )
+        return {"monitor/slowest_rank_ratio": max(compute) / median if median > 0 else 1.0}
+
+    def _loss_outliers(self, window: dict[str, Any]) -> dict[str, float]:
+        """A rank whose mean loss is further from the others' median than batch noise explains."""
+        losses, stds, n = window["loss"], window["loss_std"], window["losses_per_rank"]
+        if len(losses) < 2 or n < 2:
+            return {}
+        median = statistics.median(losses)
+        noise = statistics.median(stds) / math.sqrt(n)  # standard error of one rank's window mean
+        departures = [abs(loss - median) / noise if noise > 0 else 0.0 for loss in losses]
+        for rank, sigmas in enumerate(departures):
+            if sigmas > self.loss_alert_sigmas:
+                alert(f"rank {rank} loss {losses[rank]:.4f} is {sigmas:.1f} standard errors from the "
+                               f"median {median:.4f}: check its data and its weights")
+        return {"monitor/loss_departure_sigmas/max": max(departures)}
+
+    def _check_replicas(self, trainer: L.Trainer, window: dict[str, Any]) -> None:
+        reference = (window["param_checksum"][0], window["param_square_sum"][0])
+        differing = [rank for rank, pair in enumerate(zip(window["param_checksum"], window["param_square_sum"]))
+                     if pair != reference]
+        if differing:
+            raise ReplicaDivergenceError(
+                f"replica check at step {trainer.global_step}: rank(s) {differing} hold different weights than rank 0 "
+                f"(checksums {[window['param_checksum'][r] for r in differing]} vs {reference[0]}); a rank's "
+                "update went wrong (hardware, non-deterministic op or a bug): resume from the last checkpoint"
+            )
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.summary or not trainer.is_global_zero:
+            return
+        last = self.summary[-1]
+
+        def mean(tag: str) -> float:
+            return statistics.fmean(window[tag] for window in self.summary if tag in window)
+
+        rows = [
+            ("tokens/s (all ranks)", f"{mean('throughput/tokens_per_second'):,.0f}"),
+            ("TFLOP/s (all ranks)", f"{mean('throughput/tflops'):.3f}"),
+            ("MFU", f"{mean('throughput/mfu'):.1%}" if "throughput/mfu" in last else "n/a (unknown peak)"),
+            ("step time, median rank", f"{mean('monitor/step_s/median'):.3f} s"),
+            ("data wait share, worst rank", f"{max(w['monitor/data_wait_share/max'] for w in self.summary):.1%}"),
+            ("host RSS, largest rank", f"{max(w['monitor/host_rss_gib/max'] for w in self.summary):.2f} GiB"),
+            ("CUDA peak allocated, largest rank",
+             f"{max(w['monitor/cuda_peak_allocated_gib/max'] for w in self.summary):.2f} GiB"),
+            ("straggler events", str(self.straggler_events)),
+        ]
+        width = max(len(name) for name, _ in rows)
+        rank_zero_info("run summary (" + f"{len(self.summary)} windows of {self.every_n_steps} steps)\n"
+                       + "\n".join(f"  {name:<{width}}  {value}" for name, value in rows))
