@@ -1,7 +1,7 @@
 """The ``cohort`` command: LightningCLI over the GPT language model and the token-file datamodule.
 
     cohort fit -c configs/quickstart.yaml                                   # 1 CPU process, embedded corpus
-    cohort fit -c configs/trainer/ddp_cpu.yaml -c configs/gpt/quickstart.yaml   # the same run on 2 processes
+    cohort fit -c configs/quickstart.yaml -c configs/trainer/ddp_cpu.yaml   # the same run on 2 processes
     cohort fit -c configs/quickstart.yaml --ckpt_path last                  # resume the newest run
     cohort predict -c configs/quickstart.yaml --ckpt_path last              # generate text from it
     torchrun --nproc_per_node=2 -m app comm                                 # collective bandwidth (app/comm.py)
@@ -22,8 +22,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from app import comm
 from app.callbacks import PerRankSeed, PrintPredictions, RunCheckpoint
-from app.monitoring import RankMonitor, ReplicaDivergenceError
 from app.errors import UserError
+from app.monitoring import RankMonitor, ReplicaDivergenceError
 from app.run_plan import apply_batch_plan, check_checkpoint, find_last_checkpoint, resolve_precision
 from datamodules.language_modeling import LanguageModelingDataModule
 from models.language_model import GPTLanguageModel
@@ -102,6 +102,9 @@ class CohortCLI(LightningCLI):
 
     def before_fit(self) -> None:
         apply_batch_plan(self.trainer, self.model, self.datamodule, self.config.fit.val_every_n_steps)
+        for callback in list(self.trainer.callbacks):
+            if isinstance(callback, RankMonitor) and not callback.enabled:
+                self.trainer.callbacks.remove(callback)
 
 
 def main(args: list[str] | None = None) -> None:

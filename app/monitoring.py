@@ -78,6 +78,7 @@ class RankMonitor(Callback):
         loss_alert_sigmas: float = 6.0,
         replica_check_every_n_steps: int = 100,
         peak_tflops: float | None = None,
+        enabled: bool = True,
     ) -> None:
         """
         Args:
@@ -88,7 +89,9 @@ class RankMonitor(Callback):
             loss_alert_sigmas: warn when a rank's mean loss is this many standard errors from the others'.
             replica_check_every_n_steps: compare DDP replicas' weights this often (0: never).
             peak_tflops: peak TFLOP/s of one device, for MFU where the built-in table does not know the device.
+            enabled: False leaves the monitor out of the run (the CLI removes it before fit).
         """
+        self.enabled = enabled
         self.every_n_steps = every_n_steps
         self.straggler_factor = straggler_factor
         self.straggler_windows = straggler_windows
@@ -121,6 +124,7 @@ class RankMonitor(Callback):
         if dist.is_available() and dist.is_initialized():
             dist.all_gather_object(self.hosts, socket.gethostname())  # once per run
         self._sync_measured = self._register_sync_timer(trainer)
+        self._last_step = trainer.global_step  # not 0 when resuming
         self._reset_window()
 
     def _register_sync_timer(self, trainer: L.Trainer) -> bool:
@@ -178,7 +182,7 @@ class RankMonitor(Callback):
                                     self._after_backward if bucket_ready is not None else None))
         # Lightning hands back the loss divided by the accumulation steps
         self._losses.append(outputs["loss"].detach() * trainer.accumulate_grad_batches)
-        if trainer.global_step > getattr(self, "_last_step", 0):
+        if trainer.global_step > self._last_step:
             self._last_step = trainer.global_step
             self._steps += 1
             if self._steps == self.every_n_steps:
