@@ -97,3 +97,27 @@ class PerturbWeights(Callback):
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             with torch.no_grad():
                 next(pl_module.parameters()).view(-1)[0] += 1e-3
+
+
+class KillRank(Callback):
+    """SIGKILL one rank's own process at a step, as a crashed GPU or an OOM-killed process would die."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank = rank
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RecordWorldSize(Callback):
+    """Writes what each rank sees of the job from inside the run: rank, world size, node rank, host."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        seen = {"rank": trainer.global_rank, "world_size": trainer.world_size, "node_rank": trainer.node_rank,
+                "process_group_size": torch.distributed.get_world_size(), "host": os.uname().nodename}
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(seen))

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Launch `cohort` with torchrun on this node; run the same line on every node of a multi-node job.
+#
+#   NPROC_PER_NODE=8 scripts/torchrun.sh fit -c configs/trainer/ddp_gpu_bf16.yaml -c configs/gpt2/pretrain.yaml
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 scripts/torchrun.sh fit -c configs/trainer/multinode_gpu_bf16.yaml ...
+#   DRY_RUN=1 NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 scripts/torchrun.sh fit ...   # print the command only
+#
+# NNODES           machines in the job (1)
+# NODE_RANK        this machine's index, 0 .. NNODES-1 (0)
+# NPROC_PER_NODE   processes on this machine, one per GPU ("gpu" = all visible GPUs, else 1 on a CPU machine)
+# MASTER_ADDR      address of node 0, reachable from every node (127.0.0.1)
+# MASTER_PORT      free TCP port on node 0 for the c10d rendezvous (29500)
+# RUN_ID           rendezvous id shared by the nodes of one job ($SLURM_JOB_ID or "cohort")
+# The trainer config must agree: trainer.num_nodes = NNODES and trainer.devices = NPROC_PER_NODE.
+# On clusters whose hostname resolves to 127.0.0.1, set NCCL_SOCKET_IFNAME (GPUs) or GLOO_SOCKET_IFNAME (CPUs) to
+# the interface that carries MASTER_ADDR, or other nodes are told to connect to loopback.
+set -euo pipefail
+
+nnodes=${NNODES:-1}
+node_rank=${NODE_RANK:-0}
+master_addr=${MASTER_ADDR:-127.0.0.1}
+master_port=${MASTER_PORT:-29500}
+run_id=${RUN_ID:-${SLURM_JOB_ID:-cohort}}
+if [[ -n "${NPROC_PER_NODE:-}" ]]; then
+  nproc=$NPROC_PER_NODE
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  nproc=gpu
+else
+  nproc=1
+fi
+
+command=(python -m torch.distributed.run
+  --nnodes="$nnodes" --node_rank="$node_rank" --nproc_per_node="$nproc"
+  --rdzv_backend=c10d --rdzv_endpoint="$master_addr:$master_port" --rdzv_id="$run_id"
+  -m app "$@")
+
+if [[ -n "${DRY_RUN:-}" ]]; then
+  printf '%q ' "${command[@]}"
+  echo
+else
+  exec "${command[@]}"
+fi
