@@ -11,9 +11,10 @@
 # MASTER_ADDR      address of node 0, reachable from every node (127.0.0.1)
 # MASTER_PORT      free TCP port on node 0 for the c10d rendezvous (29500)
 # RUN_ID           rendezvous id shared by the nodes of one job ($SLURM_JOB_ID or "cohort")
+# LOCAL_ADDR       this node's address as the other nodes reach it (default: what its hostname resolves to)
 # The trainer config must agree: trainer.num_nodes = NNODES and trainer.devices = NPROC_PER_NODE.
-# On clusters whose hostname resolves to 127.0.0.1, set NCCL_SOCKET_IFNAME (GPUs) or GLOO_SOCKET_IFNAME (CPUs) to
-# the interface that carries MASTER_ADDR, or other nodes are told to connect to loopback.
+# On clusters whose hostname resolves to 127.0.0.1, set LOCAL_ADDR, and NCCL_SOCKET_IFNAME (GPUs) or
+# GLOO_SOCKET_IFNAME (CPUs) to the interface that carries it, or other nodes are told to connect to loopback.
 set -euo pipefail
 
 nnodes=${NNODES:-1}
@@ -29,10 +30,14 @@ else
   nproc=1
 fi
 
+# Node 0 hosts the rendezvous store. Said outright, because torchrun's guess (does MASTER_ADDR name this machine?)
+# fails where the hostname resolves to 127.0.0.1.
+is_host=$([[ "$node_rank" == 0 ]] && echo 1 || echo 0)
+
 command=(python -m torch.distributed.run
   --nnodes="$nnodes" --node_rank="$node_rank" --nproc_per_node="$nproc"
-  --rdzv_backend=c10d --rdzv_endpoint="$master_addr:$master_port" --rdzv_id="$run_id"
-  -m app "$@")
+  --rdzv_backend=c10d --rdzv_endpoint="$master_addr:$master_port" --rdzv_id="$run_id" --rdzv_conf=is_host="$is_host"
+  ${LOCAL_ADDR:+--local_addr="$LOCAL_ADDR"} -m app "$@")
 
 if [[ -n "${DRY_RUN:-}" ]]; then
   printf '%q ' "${command[@]}"

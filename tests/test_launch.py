@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,10 +25,39 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch(args: list[str], cwd: Path, **env: str) -> subprocess.Popen:
+def launch(args: list[str], cwd: Path, prefix: list[str] | None = None, **env: str) -> subprocess.Popen:
+    """scripts/torchrun.sh ARGS, optionally inside ``prefix`` (e.g. ``ip netns exec NS``)."""
     environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore", **env}
-    return subprocess.Popen([TORCHRUN, *args], cwd=cwd, env=environment, stdout=subprocess.PIPE,
+    return subprocess.Popen([*(prefix or []), TORCHRUN, *args], cwd=cwd, env=environment, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def two_node_fit_args(debug_run_args: list[str], out_dir: Path) -> list[str]:
+    return ["fit", *debug_run_args, *QUIET, "--trainer.strategy", "ddp", "--trainer.num_nodes", "2",
+            "--trainer.devices", "1", "--trainer.max_steps", "3", "--data.global_batch_size", "4",
+            "--data.micro_batch_size", "2", "--trainer.callbacks+=tests.helpers.RecordWorldSize",
+            f"--trainer.callbacks.out_dir={out_dir}"]
+
+
+def outputs_of(jobs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Each job's output; a job still running after ``timeout`` is killed with its process group."""
+    try:
+        return [job.communicate(timeout=timeout)[0] for job in jobs]
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.wait()
+
+
+def assert_two_nodes_trained(nodes: list[subprocess.Popen], out_dir: Path) -> None:
+    outputs = outputs_of(nodes, timeout=300)
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(output[-3000:] for output in outputs)
+    seen = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [s["world_size"] for s in seen] == [2, 2] and [s["process_group_size"] for s in seen] == [2, 2]
+    assert sorted(s["node_rank"] for s in seen) == [0, 1]
+    checkpoints = list(out_dir.glob("node*/lightning_logs/version_0/checkpoints/last.ckpt"))
+    assert len(checkpoints) == 1  # written by global rank 0 only
 
 
 def test_dry_run_prints_the_torchrun_command(tmp_path: Path) -> None:
@@ -35,28 +66,55 @@ def test_dry_run_prints_the_torchrun_command(tmp_path: Path) -> None:
     printed = subprocess.run([TORCHRUN, "fit", "-c", "x.yaml"], env=env, capture_output=True, text=True, check=True)
     assert printed.stdout.split() == [
         "python", "-m", "torch.distributed.run", "--nnodes=2", "--node_rank=1", "--nproc_per_node=8",
-        "--rdzv_backend=c10d", "--rdzv_endpoint=node0:1234", "--rdzv_id=job7", "-m", "app", "fit", "-c", "x.yaml"]
+        "--rdzv_backend=c10d", "--rdzv_endpoint=node0:1234", "--rdzv_id=job7", "--rdzv_conf=is_host=0", "-m", "app", "fit", "-c", "x.yaml"]
 
 
 def test_two_node_agents_over_loopback_train_together(tmp_path: Path, debug_run_args: list[str]) -> None:
     port = str(free_port())
     nodes = []
     for node_rank in (0, 1):
-        node_dir = tmp_path / f"node{node_rank}"
-        node_dir.mkdir()
-        args = ["fit", *debug_run_args, *QUIET, "--trainer.strategy", "ddp", "--trainer.num_nodes", "2",
-                "--trainer.devices", "1", "--trainer.max_steps", "3", "--data.global_batch_size", "4",
-                "--data.micro_batch_size", "2", "--trainer.callbacks+=tests.helpers.RecordWorldSize",
-                f"--trainer.callbacks.out_dir={tmp_path}"]
-        nodes.append(launch(args, node_dir, NNODES="2", NODE_RANK=str(node_rank), NPROC_PER_NODE="1",
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RUN_ID="loopback"))
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(output[-3000:] for output in outputs)
-    seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-    assert [s["world_size"] for s in seen] == [2, 2] and [s["process_group_size"] for s in seen] == [2, 2]
-    assert sorted(s["node_rank"] for s in seen) == [0, 1]
-    checkpoints = list(tmp_path.glob("node*/lightning_logs/version_0/checkpoints/last.ckpt"))
-    assert len(checkpoints) == 1  # written by global rank 0 only
+        (tmp_path / f"node{node_rank}").mkdir()
+        nodes.append(launch(two_node_fit_args(debug_run_args, tmp_path), tmp_path / f"node{node_rank}",
+                            NNODES="2", NODE_RANK=str(node_rank), NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=port, RUN_ID="loopback"))
+    assert_two_nodes_trained(nodes, tmp_path)
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[list[tuple[str, str, str]]]:
+    """Two network namespaces joined by a veth pair: (namespace, interface, address) each. Addresses are from the
+    198.18.0.0/15 benchmarking range and exist only inside these namespaces."""
+    hosts = [("cohort_a", "cohort_va", "198.18.7.1"), ("cohort_b", "cohort_vb", "198.18.7.2")]
+    commands = [["ip", "netns", "add", hosts[0][0]], ["ip", "netns", "add", hosts[1][0]],
+                ["ip", "link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1]]]
+    for namespace, interface, address in hosts:
+        commands += [["ip", "link", "set", interface, "netns", namespace],
+                     ["ip", "-n", namespace, "addr", "add", f"{address}/24", "dev", interface],
+                     ["ip", "-n", namespace, "link", "set", interface, "up"],
+                     ["ip", "-n", namespace, "link", "set", "lo", "up"]]
+    try:
+        for command in commands:
+            made = subprocess.run(command, capture_output=True, text=True)
+            if made.returncode != 0:
+                pytest.skip(f"cannot make network namespaces here ({' '.join(command)}: {made.stderr.strip()})")
+        yield hosts
+    finally:
+        for namespace, _, _ in hosts:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+
+
+def test_two_hosts_with_their_own_addresses_train_together(tmp_path: Path, debug_run_args: list[str],
+                                                           two_hosts: list[tuple[str, str, str]]) -> None:
+    master_address = two_hosts[0][2]
+    nodes = []
+    for node_rank, (namespace, interface, address) in enumerate(two_hosts):
+        (tmp_path / f"node{node_rank}").mkdir()
+        # the hostname resolves to 127.0.0.1 here, as on many clusters: each node says its address and interface
+        nodes.append(launch(two_node_fit_args(debug_run_args, tmp_path), tmp_path / f"node{node_rank}",
+                            prefix=["ip", "netns", "exec", namespace], NNODES="2", NODE_RANK=str(node_rank),
+                            NPROC_PER_NODE="1", MASTER_ADDR=master_address, MASTER_PORT="29400",
+                            RUN_ID="namespaces", LOCAL_ADDR=address, GLOO_SOCKET_IFNAME=interface))
+    assert_two_nodes_trained(nodes, tmp_path)
 
 
 def test_a_killed_rank_stops_the_job_with_a_clear_message(tmp_path: Path, debug_run_args: list[str]) -> None:
@@ -65,7 +123,7 @@ def test_a_killed_rank_stops_the_job_with_a_clear_message(tmp_path: Path, debug_
             "--trainer.callbacks+=tests.helpers.KillRank", "--trainer.callbacks.rank=1", "--trainer.callbacks.step=3"]
     start = time.monotonic()
     job = launch(args, tmp_path, NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
-    output = job.communicate(timeout=180)[0]
+    output = outputs_of([job], timeout=180)[0]
     elapsed = time.monotonic() - start
     assert job.returncode != 0
     assert elapsed < 120, f"took {elapsed:.0f} s to notice a dead rank"
