@@ -5,6 +5,7 @@
     cohort fit -c configs/quickstart.yaml --ckpt_path last                  # resume the newest run
     cohort predict -c configs/quickstart.yaml --ckpt_path last              # generate text from it
     torchrun --nproc_per_node=2 -m app comm                                 # collective bandwidth (app/comm.py)
+    torchrun --nproc_per_node=2 -m app doctor -c ...                        # pre-flight checks (app/doctor.py)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ DEFAULT_SEED = 1337  # fixed, not random: a resumed run must draw the same data 
 
 
 class CohortCLI(LightningCLI):
-    def __init__(self, args: list[str] | None = None) -> None:
+    def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         super().__init__(
             GPTLanguageModel,
             LanguageModelingDataModule,
@@ -48,6 +49,7 @@ class CohortCLI(LightningCLI):
             },
             save_config_kwargs={"overwrite": True},  # a resumed run rewrites its own config.yaml
             args=args,
+            run=run,
         )
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -111,6 +113,10 @@ def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["comm"]:
         return comm.main(argv[1:])
+    if argv[:1] == ["doctor"]:
+        from app import doctor  # imports this module
+
+        return doctor.main(argv[1:])
     # noise from Lightning's own use of a torch API that torch deprecated; nothing a user can act on
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     try:

@@ -138,13 +138,13 @@ class LanguageModelingDataModule(L.LightningDataModule):
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # set by seed_everything
             start_step=self.trainer.global_step,  # restored from the checkpoint when resuming
         )
-        return ResumableDataLoader(self.train_set, sampler=sampler, **self._loader_options())
+        return ResumableDataLoader(self.train_set, sampler=sampler, **self.loader_options())
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None
         num_samples = min(len(self.val_set), self.val_samples or len(self.val_set))
         sampler = EvenShardSampler(num_samples, self.trainer.global_rank, self.trainer.world_size)
-        return DataLoader(self.val_set, sampler=sampler, **self._loader_options())
+        return DataLoader(self.val_set, sampler=sampler, **self.loader_options())
 
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()
@@ -155,7 +155,8 @@ class LanguageModelingDataModule(L.LightningDataModule):
         prompts = [torch.tensor(list(prompt.encode()), dtype=torch.long) for prompt in self.prompts]
         return DataLoader(prompts, batch_size=1)  # prompts differ in length
 
-    def _loader_options(self) -> dict[str, Any]:
+    def loader_options(self) -> dict[str, Any]:
+        """DataLoader arguments shared by every split (and by ``cohort doctor``'s loader timing)."""
         return {
             "batch_size": self.micro_batch_size,
             "num_workers": self.num_workers,

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -128,3 +129,28 @@ def test_a_killed_rank_stops_the_job_with_a_clear_message(tmp_path: Path, debug_
     assert job.returncode != 0
     assert elapsed < 120, f"took {elapsed:.0f} s to notice a dead rank"
     assert "Signal 9 (SIGKILL)" in output and "rank      : 1" in output, output[-3000:]
+
+
+def test_doctor_passes_on_a_good_setup(tmp_path: Path, byte_corpus: Path) -> None:
+    job = launch(["doctor", "-c", str(REPO_ROOT / "configs/quickstart.yaml"),
+                  "-c", str(REPO_ROOT / "configs/trainer/ddp_cpu.yaml"), "--data.data_dir", str(byte_corpus)],
+                 tmp_path, NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    output = outputs_of([job], timeout=180)[0]
+    assert job.returncode == 0, output[-3000:]
+    for check in ("world size", "barrier", "all-reduce 64 MB", "data loader", "log folder", "precision"):
+        assert any(line.startswith("PASS") and check in line for line in output.splitlines()), check
+
+
+def test_doctor_fails_when_slurm_tasks_do_not_match_the_config(tmp_path: Path, byte_corpus: Path) -> None:
+    slurm = {"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4", "SLURM_NNODES": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+             "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "pretrain", "SLURM_NODELIST": "localhost"}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore", **slurm}
+    result = subprocess.run([sys.executable, "-m", "app", "doctor", "-c", str(REPO_ROOT / "configs/quickstart.yaml"),
+                             "--data.data_dir", str(byte_corpus)], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode != 0
+    assert "FAIL  world size" in result.stdout and "SLURM_NTASKS=4, config expects 1" in result.stdout
+    assert "set --ntasks-per-node to trainer.devices" in result.stdout
+    # with 4 processes the quickstart's global batch of 32 no longer divides by 16 x 4: found too
+    assert "FAIL  data" in result.stdout and "data.global_batch_size=32 is not a multiple" in result.stdout
+    assert result.stderr.strip().splitlines()[-1] == "cohort doctor: 2 check(s) failed: world size, data"

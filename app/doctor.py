@@ -1,0 +1,232 @@
+"""``cohort doctor``: pre-flight checks, run with the same launcher and config as the long job it precedes.
+
+    torchrun --nproc_per_node=2 -m app doctor -c configs/quickstart.yaml -c configs/trainer/ddp_cpu.yaml
+    srun python -m app doctor -c configs/trainer/multinode_gpu_bf16.yaml -c configs/gpt2/pretrain.yaml
+
+Checks: the launcher's world size against trainer.devices x trainer.num_nodes (and SLURM's task count); every
+rank reaching a barrier within a timeout; all-reduce bandwidth; the DataLoader's speed against the model's step;
+log and checkpoint folders writable with room for checkpoints; the precision on this device; addresses that other
+nodes cannot reach. Prints pass / warn / fail with advice and exits non-zero when anything fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from jsonargparse import Namespace
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+from app.cli import CohortCLI
+from app.comm import time_collective
+from app.errors import UserError
+from app.run_plan import gradient_accumulation, resolve_precision
+from datamodules.language_modeling import LanguageModelingDataModule
+from datamodules.samplers import GlobalBatchSampler
+from models.gpt import GPT, gpt_config
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "pass", "warn" or "fail"
+    detail: str
+    advice: str = ""
+
+
+def launcher_world() -> tuple[int, int, int, str]:
+    """(rank, local rank, world size, launcher) from torchrun's or SLURM's environment; (0, 0, 1, "none") alone."""
+    for environment, name in ((TorchElasticEnvironment, "torchrun"), (SLURMEnvironment, "slurm")):
+        if environment.detect():
+            env = environment()
+            return env.global_rank(), env.local_rank(), env.world_size(), name
+    return 0, 0, 1, "none"
+
+
+def expected_world_size(trainer: Namespace) -> int:
+    devices = trainer.devices
+    if devices in ("auto", -1, "-1"):
+        devices = torch.cuda.device_count() if torch.cuda.is_available() and trainer.accelerator != "cpu" else 1
+    elif isinstance(devices, (list, tuple)) or (isinstance(devices, str) and "," in devices):
+        devices = len(devices) if isinstance(devices, (list, tuple)) else len(devices.strip(",").split(","))
+    return int(devices) * int(trainer.num_nodes)
+
+
+def check_world(trainer: Namespace, world_size: int, launcher: str) -> Check:
+    expected = expected_world_size(trainer)
+    detail = f"launcher {launcher}: {world_size} processes; config: {trainer.devices} devices x {trainer.num_nodes} nodes"
+    if launcher == "slurm" and "SLURM_NTASKS" in os.environ and int(os.environ["SLURM_NTASKS"]) != expected:
+        return Check("world size", "fail", f"SLURM_NTASKS={os.environ['SLURM_NTASKS']}, config expects {expected}",
+                     "set --ntasks-per-node to trainer.devices and --nodes to trainer.num_nodes")
+    if launcher != "none" and world_size != expected:
+        return Check("world size", "fail", detail + f" = {expected}",
+                     "make trainer.devices x trainer.num_nodes equal the processes the launcher starts")
+    return Check("world size", "pass", detail)
+
+
+def check_rendezvous(device: torch.device, timeout_s: float) -> tuple[Check, bool]:
+    """Join the process group and meet at a barrier; returns whether collectives can follow."""
+    start = time.perf_counter()
+    try:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        dist.barrier()
+    except Exception as error:  # any failure here is the finding, reported rather than raised
+        return Check("barrier", "fail", f"{type(error).__name__}: {error}".splitlines()[0][:200],
+                     "check MASTER_ADDR/MASTER_PORT reachability and firewalls between nodes"), False
+    return Check("barrier", "pass", f"all {dist.get_world_size()} ranks met in {time.perf_counter() - start:.2f} s"), True
+
+
+def check_bandwidth(device: torch.device) -> Check:
+    size = 64 * 2**20
+    seconds = time_collective("all_reduce", size // 4, device, iterations=5, warmup=2)
+    n = dist.get_world_size()
+    bus = size / seconds / 1e9 * 2 * (n - 1) / n
+    return Check("all-reduce 64 MB", "pass", f"{seconds * 1e3:.1f} ms, bus bandwidth {bus:.2f} GB/s",
+                 "" if n > 1 else "one process: nothing to measure")
+
+
+def check_data(config: Namespace, rank: int, world_size: int, device: torch.device) -> list[Check]:
+    """The loader's time per micro-batch against the model's compute per micro-batch on this device."""
+    data = LanguageModelingDataModule(**vars(config.data))
+    data.prepare_data()
+    data.setup("fit")
+    accumulation = gradient_accumulation(data.global_batch_size, data.micro_batch_size, world_size)
+    sampler = GlobalBatchSampler(len(data.train_set), data.global_batch_size, data.micro_batch_size, rank, world_size, 0)
+    loader = torch.utils.data.DataLoader(data.train_set, sampler=sampler, **data.loader_options())
+    batches = iter(loader)
+    next(batches)  # workers start
+    start = time.perf_counter()
+    fetched = [next(batches) for _ in range(max(1, min(10, len(loader) - 1)))]
+    loader_seconds = (time.perf_counter() - start) / max(1, len(fetched))
+    checks = [Check("batch plan", "pass", f"accumulation {accumulation} per rank")]
+    compute_seconds = micro_batch_compute_seconds(config, fetched[0], device)
+    if compute_seconds is None:
+        checks.append(Check("data loader", "pass", f"{loader_seconds * 1e3:.1f} ms per micro-batch",
+                            "model too large to time here; compare with the step time once training runs"))
+        return checks
+    share = loader_seconds / (loader_seconds + compute_seconds)
+    detail = f"{loader_seconds * 1e3:.1f} ms per micro-batch vs {compute_seconds * 1e3:.1f} ms of compute ({share:.0%})"
+    advice = f"raise data.num_workers (now {data.num_workers}), set data.pin_memory, keep token files on local disk"
+    status = "pass" if share < 0.1 else "warn" if share < 0.3 else "fail"
+    checks.append(Check("data loader", status, detail, advice if status != "pass" else ""))
+    return checks
+
+
+def micro_batch_compute_seconds(config: Namespace, batch: tuple[torch.Tensor, torch.Tensor],
+                                device: torch.device) -> float | None:
+    """Forward + backward of one micro-batch, for models up to 1.5B parameters (larger ones need sharding)."""
+    model_config = gpt_config(config.model.model_name, vocab_size=config.data.vocab_size)
+    with torch.device("meta"):
+        if GPT(model_config).num_parameters() > 1.5e9:
+            return None
+    model = GPT(model_config).to(device)
+    inputs, targets = (tensor.to(device) for tensor in batch)
+    for _ in range(2):  # the first pass warms up allocators and kernels
+        start = time.perf_counter()
+        F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def check_folders(config: Namespace) -> list[Check]:
+    logger = config.trainer.logger
+    log_root = Path(logger.init_args.save_dir) / logger.init_args.name if hasattr(logger, "init_args") else Path(".")
+    with torch.device("meta"):
+        params = GPT(gpt_config(config.model.model_name, vocab_size=config.data.vocab_size)).num_parameters()
+    checkpoint_bytes = params * 12  # fp32 weights + two AdamW moments
+    checks = []
+    for name, folder in (("log folder", log_root), ("checkpoint folder", Path(config.checkpoint.dirpath or log_root))):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder):
+                pass
+        except OSError as error:
+            checks.append(Check(name, "fail", f"{folder}: {error.strerror}", "point it at a writable folder"))
+            continue
+        free = shutil.disk_usage(folder).free
+        status = "pass" if free > 5 * checkpoint_bytes else "warn" if free > 2 * checkpoint_bytes else "fail"
+        checks.append(Check(name, status, f"{folder}: {free / 2**30:.1f} GiB free, a checkpoint is "
+                            f"{checkpoint_bytes / 2**30:.2f} GiB", "free space or move the folder" if status != "pass" else ""))
+    return checks
+
+
+def check_addresses(num_nodes: int) -> Check:
+    """The gotcha of hosts whose name resolves to loopback: other nodes are told to connect to 127.0.0.1."""
+    address = socket.gethostbyname(socket.gethostname())
+    pinned = os.environ.get("NCCL_SOCKET_IFNAME") or os.environ.get("GLOO_SOCKET_IFNAME")
+    if num_nodes > 1 and address.startswith("127.") and not pinned:
+        return Check("node address", "warn", f"hostname {socket.gethostname()} resolves to {address}",
+                     "set NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME (and LOCAL_ADDR for scripts/torchrun.sh)")
+    return Check("node address", "pass", f"hostname resolves to {address}" + (f", interface {pinned}" if pinned else ""))
+
+
+def format_table(checks: list[Check]) -> str:
+    width = max(len(check.name) for check in checks)
+    lines = []
+    for check in checks:
+        lines.append(f"{check.status.upper():<5} {check.name:<{width}}  {check.detail}")
+        if check.advice:
+            lines.append(f"{'':<5} {'':<{width}}  -> {check.advice}")
+    return "\n".join(lines)
+
+
+class DoctorCLI(CohortCLI):
+    """Parses a run's config exactly as ``cohort fit`` would, and instantiates nothing."""
+
+    def __init__(self, args: list[str]) -> None:
+        super().__init__(args, run=False)
+
+    def before_instantiate_classes(self) -> None:
+        """The checks below report problems as findings instead of stopping at the first."""
+
+    def instantiate_classes(self) -> None:
+        """Nothing: a multi-billion-parameter model must not be built just to read its config."""
+
+
+def main(argv: list[str]) -> None:
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter")  # argv is the doctor's, on purpose
+    config = DoctorCLI(argv).config
+    rank, local_rank, world_size, launcher = launcher_world()
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() and config.trainer.accelerator != "cpu" \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    checks = [check_world(config.trainer, world_size, launcher), check_addresses(int(config.trainer.num_nodes))]
+    try:
+        precision = resolve_precision(config.trainer.precision, "cuda" if device.type == "cuda" else "cpu")
+        checks.append(Check("precision", "pass", f"{precision} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}"))
+    except UserError as error:
+        checks.append(Check("precision", "fail", str(error)))
+    joined = False
+    if checks[0].status == "fail":
+        checks.append(Check("barrier", "warn", "skipped: the processes do not form the job the config describes"))
+    elif launcher != "none":
+        barrier, joined = check_rendezvous(device, timeout_s=60)
+        checks.append(barrier)
+        if joined:
+            checks.append(check_bandwidth(device))
+    try:
+        checks += check_data(config, rank, world_size, device)
+    except UserError as error:
+        checks.append(Check("data", "fail", str(error)))
+    checks += check_folders(config)
+    if rank == 0:
+        print(f"cohort doctor: rank 0 of {world_size} on {socket.gethostname()}\n{format_table(checks)}")
+    if joined:
+        dist.destroy_process_group()
+    failed = [check.name for check in checks if check.status == "fail"]
+    if failed:
+        sys.exit(f"cohort doctor: {len(failed)} check(s) failed: {', '.join(failed)}" if rank == 0 else 1)
