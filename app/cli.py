@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 from jsonargparse import Namespace
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -25,6 +26,7 @@ from app import comm
 from app.callbacks import PerRankSeed, PrintPredictions, RunCheckpoint
 from app.errors import UserError
 from app.monitoring import RankMonitor, ReplicaDivergenceError
+from app.preemption import PreemptionCheckpoint
 from app.run_plan import apply_batch_plan, check_checkpoint, find_last_checkpoint, resolve_precision
 from datamodules.language_modeling import LanguageModelingDataModule
 from models.language_model import GPTLanguageModel
@@ -45,7 +47,7 @@ class CohortCLI(LightningCLI):
                 },
                 "plugins": [{"class_path": "app.callbacks.AtomicCheckpointIO"}],
                 "use_distributed_sampler": False,  # the datamodule shards by rank itself
-                "callbacks": [PerRankSeed(), PrintPredictions()],
+                "callbacks": [PerRankSeed(), PreemptionCheckpoint(), PrintPredictions()],
             },
             save_config_kwargs={"overwrite": True},  # a resumed run rewrites its own config.yaml
             args=args,
@@ -81,6 +83,10 @@ class CohortCLI(LightningCLI):
         if trainer.use_distributed_sampler:
             raise UserError("trainer.use_distributed_sampler must stay false: the datamodule gives each rank its "
                             "own samples, and Lightning's sampler would reorder them")
+        if SLURMEnvironment.detect():  # preemption is handled by PreemptionCheckpoint, across ranks
+            trainer.plugins = [*(trainer.plugins or []), Namespace(
+                class_path="lightning.fabric.plugins.environments.SLURMEnvironment",
+                init_args=Namespace(auto_requeue=False))]
         accelerator = trainer.accelerator if isinstance(trainer.accelerator, str) else "custom"
         trainer.precision = resolve_precision(trainer.precision, accelerator)
         if config.ckpt_path == "last":

@@ -136,7 +136,7 @@ class LanguageModelingDataModule(L.LightningDataModule):
             rank=self.trainer.global_rank,
             world_size=self.trainer.world_size,
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # set by seed_everything
-            start_step=self.trainer.global_step,  # restored from the checkpoint when resuming
+            current_step=lambda: self.trainer.global_step,  # restored from the checkpoint when resuming
         )
         return ResumableDataLoader(self.train_set, sampler=sampler, **self.loader_options())
 

@@ -1,10 +1,10 @@
 """Which sample each rank reads, as a pure function of (seed, epoch, optimizer step, rank, index).
 
-Training: optimizer step s of an epoch consumes the global batch at positions [s*G, (s+1)*G) of that epoch's
-permutation, whatever the world size W or accumulation A. Micro-batch a of rank r takes the
-``micro_batch_size`` positions starting at s*G + a*(micro*W) + r*micro. So a 1-process run and a 2-process run
-with the same global batch see the same samples in every step, ranks never share a sample, and resuming at step
-s only needs s: the stream restarts there.
+Training: optimizer step s consumes the global batch at positions [k*G, (k+1)*G) of its data epoch's
+permutation (k = s mod steps per epoch), whatever the world size W or accumulation A. Micro-batch a of rank r
+takes the ``micro_batch_size`` positions starting at k*G + a*(micro*W) + r*micro. So a 1-process run and a
+2-process run with the same global batch see the same samples in every step, ranks never share a sample, and
+resuming at step s only needs s: the stream restarts there.
 
 Validation: every window exactly once, whatever W; ranks get equal counts, padded with PADDING_INDEX, so no
 rank waits in a collective for another to finish.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.data import Sampler
@@ -29,7 +29,13 @@ def derive_seed(*parts: int) -> int:
 
 
 class GlobalBatchSampler(Sampler[int]):
-    """This rank's sample indices, micro-batch after micro-batch; the DataLoader groups them by micro_batch_size."""
+    """This rank's sample indices, micro-batch after micro-batch; the DataLoader groups them by micro_batch_size.
+
+    Each iteration starts at the optimizer step ``current_step()`` returns when it begins (Lightning starts one
+    per epoch, and one when it resumes), so the data position follows the restored step and nothing else: not
+    Lightning's epoch counter, which a run that stopped early has already advanced. Data epochs are whole passes
+    over the samples, ``steps_per_epoch`` optimizer steps each, with a fresh permutation per pass.
+    """
 
     def __init__(
         self,
@@ -39,7 +45,7 @@ class GlobalBatchSampler(Sampler[int]):
         rank: int,
         world_size: int,
         seed: int,
-        start_step: int = 0,
+        current_step: Callable[[], int] = lambda: 0,
     ) -> None:
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
@@ -47,31 +53,24 @@ class GlobalBatchSampler(Sampler[int]):
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
-        self.start_step = start_step  # the optimizer step this run resumes at; earlier steps are not replayed
+        self.current_step = current_step
         self.accumulation = global_batch_size // (micro_batch_size * world_size)
         self.steps_per_epoch = num_samples // global_batch_size
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Called by Lightning at the start of every epoch."""
-        self.epoch = epoch
 
     def __len__(self) -> int:
         return self.steps_per_epoch * self.accumulation * self.micro_batch_size
 
     def __iter__(self) -> Iterator[int]:
-        permutation = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.epoch_seed()))
-        steps = torch.arange(self.steps_per_epoch).view(-1, 1, 1) * self.global_batch_size
-        micro_batches = torch.arange(self.accumulation).view(1, -1, 1) * (self.micro_batch_size * self.world_size)
-        within = self.rank * self.micro_batch_size + torch.arange(self.micro_batch_size).view(1, 1, -1)
-        positions = (steps + micro_batches + within).flatten()  # (steps * accumulation * micro,)
-        first_step_of_epoch = self.epoch * self.steps_per_epoch
-        skip_steps = min(max(self.start_step - first_step_of_epoch, 0), self.steps_per_epoch)
-        skip = skip_steps * self.accumulation * self.micro_batch_size
-        return iter(permutation[positions[skip:]].tolist())
-
-    def epoch_seed(self) -> int:
-        return derive_seed(self.seed, self.epoch)
+        first = self.current_step()
+        micro_batches = torch.arange(self.accumulation).view(-1, 1) * (self.micro_batch_size * self.world_size)
+        within_step = (micro_batches + self.rank * self.micro_batch_size + torch.arange(self.micro_batch_size)).flatten()
+        permutation, permutation_epoch = None, -1
+        for step in range(first, first + self.steps_per_epoch):
+            data_epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
+            if data_epoch != permutation_epoch:
+                generator = torch.Generator().manual_seed(derive_seed(self.seed, data_epoch))
+                permutation, permutation_epoch = torch.randperm(self.num_samples, generator=generator), data_epoch
+            yield from permutation[step_in_epoch * self.global_batch_size + within_step].tolist()
 
 
 class EvenShardSampler(Sampler[int]):

@@ -15,14 +15,14 @@ from datamodules.samplers import EvenShardSampler, GlobalBatchSampler
 from datamodules.token_files import IGNORE_INDEX, PADDING_INDEX, TokenWindows, check_token_file
 
 
-def rank_streams(world_size: int, start_step: int = 0, epoch: int = 0, seed: int = 7,
-                 global_batch: int = 16, micro: int = 2, num_samples: int = 200) -> list[list[int]]:
-    streams = []
-    for rank in range(world_size):
-        sampler = GlobalBatchSampler(num_samples, global_batch, micro, rank, world_size, seed, start_step)
-        sampler.set_epoch(epoch)
-        streams.append(list(sampler))
-    return streams
+STEPS_PER_EPOCH = 200 // 16
+
+
+def rank_streams(world_size: int, start_step: int = 0, seed: int = 7, global_batch: int = 16, micro: int = 2,
+                 num_samples: int = 200) -> list[list[int]]:
+    """Each rank's indices for one iteration (an epoch's worth of steps) that starts at ``start_step``."""
+    return [list(GlobalBatchSampler(num_samples, global_batch, micro, rank, world_size, seed, lambda: start_step))
+            for rank in range(world_size)]
 
 
 def step_sets(streams: list[list[int]], global_batch: int) -> list[set[int]]:
@@ -49,21 +49,26 @@ def test_each_step_uses_the_same_samples_at_any_world_size(world_size: int) -> N
 
 def test_sampling_is_reproducible_and_changes_with_epoch_and_seed() -> None:
     assert rank_streams(2) == rank_streams(2)
-    assert rank_streams(2, epoch=1) != rank_streams(2)
+    second_pass = rank_streams(2, start_step=STEPS_PER_EPOCH)
+    assert second_pass != rank_streams(2)
+    assert len(set(sum(second_pass, []))) == STEPS_PER_EPOCH * 16  # a new order, no sample twice
     assert rank_streams(2, seed=8) != rank_streams(2)
 
 
 def test_resuming_at_a_step_continues_the_same_stream() -> None:
-    full = rank_streams(2)
-    resumed = rank_streams(2, start_step=5)
+    """The stream is a function of the optimizer step alone: starting at step 5 gives steps 5, 6, ... exactly."""
     per_rank_per_step = 16 // 2
-    assert all(r == f[5 * per_rank_per_step :] for r, f in zip(resumed, full))
-    assert rank_streams(2, start_step=5, epoch=1) == rank_streams(2, epoch=1)  # only the resumed epoch is cut
+    full, resumed = rank_streams(2), rank_streams(2, start_step=5)
+    next_pass = rank_streams(2, start_step=STEPS_PER_EPOCH)
+    remaining = (STEPS_PER_EPOCH - 5) * per_rank_per_step
+    for rank in range(2):
+        assert resumed[rank][:remaining] == full[rank][5 * per_rank_per_step :]
+        assert resumed[rank][remaining:] == next_pass[rank][: 5 * per_rank_per_step]
 
 
 def test_sampler_length_is_whole_steps() -> None:
     sampler = GlobalBatchSampler(200, 16, 2, 0, 2, 0)
-    assert sampler.accumulation == 4 and len(sampler) == (200 // 16) * 8 == len(list(sampler))
+    assert sampler.accumulation == 4 and len(sampler) == STEPS_PER_EPOCH * 8 == len(list(sampler))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
