@@ -23,8 +23,11 @@ class PerRankSeed(Callback):
     """
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        torch.manual_seed(derive_seed(seed, trainer.global_rank, trainer.global_step, batch_idx))
+        seed = derive_seed(int(os.environ.get("PL_GLOBAL_SEED", 0)), trainer.global_rank, trainer.global_step, batch_idx)
+        # the generators themselves: torch.manual_seed also probes every accelerator backend, ~1 ms per call
+        torch.default_generator.manual_seed(seed)
+        if torch.cuda.is_initialized():
+            torch.cuda.manual_seed(seed)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -163,7 +163,8 @@ class RankMonitor(Callback):
         self._pause_start = time.perf_counter()
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.training and hasattr(self, "_window"):
+        # trainer.training is False inside validation, even during fit: the window exists only once fit trains
+        if not trainer.sanity_checking and hasattr(self, "_window"):
             self._paused += time.perf_counter() - self._pause_start
 
     # ----- per micro-batch: markers only, nothing that stalls the device -----

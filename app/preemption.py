@@ -36,6 +36,11 @@ class PreemptionCheckpoint(Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         signal.signal(self.signum, self._record_request)
+        # the flag travels through a CPU (gloo) group: on NCCL a GPU tensor read back every step would stall the
+        # device queue once per step
+        self._group = None
+        if dist.is_available() and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
         rank_zero_info(f"preemption: {self.signum.name} will checkpoint at the next step and requeue the job")
 
     def _record_request(self, signum: int, frame: FrameType | None) -> None:
@@ -45,9 +50,9 @@ class PreemptionCheckpoint(Callback):
                            batch_idx: int) -> None:
         if (batch_idx + 1) % trainer.accumulate_grad_batches != 0:
             return  # only optimizer-step boundaries are resumable points
-        requested = torch.tensor([float(self.requested)], device=trainer.strategy.root_device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(requested, op=dist.ReduceOp.MAX)  # any rank's signal stops every rank here
+        requested = torch.tensor([float(self.requested)])
+        if self._group is not None:
+            dist.all_reduce(requested, op=dist.ReduceOp.MAX, group=self._group)  # any rank's signal stops all here
         if requested.item() > 0:
             self.stopped_for_preemption = True
             trainer.should_stop = True  # the checkpoint callback writes last.ckpt for this step as training ends
