@@ -1,13 +1,15 @@
 """Per-optimizer-step time of ``cohort fit`` (LightningCLI) against a hand-written PyTorch loop doing the same work.
 
     . .venv/bin/activate
-    python -m benchmarks.lightning_overhead --model small --steps 40 --warmup-steps 5 --repeats 3
+    python -m benchmarks.lightning_overhead --model small --steps 40 --warmup-steps 5 --repeats 4
 
-Both sides run as fresh subprocesses with the same torch thread count, interleaved (P L, L P, P L, ...), on the
-same corpus (100 stdlib files, byte-level), the same model, initial weights, sample order, AdamW parameter
-groups, LR schedule, gradient clipping and accumulation, fp32 on 1 CPU process. Only optimizer steps after
-``--warmup-steps`` are timed, so startup, the first slow steps and the final checkpoint are excluded. The
-per-micro-batch losses of both sides are compared to show that the work is the same.
+Each repeat starts both sides as subprocesses (``python -m app fit ...`` and this module's plain loop) with the
+same torch thread count and runs them in lockstep, one optimizer step at a time (P L P L ..., or L P L P ... in
+odd repeats): the host's slow drifts in speed then hit both sides alike. A step is timed from the moment its side
+gets the turn to the end of its optimizer step, so waiting, startup and the final checkpoint are not counted, and
+the first ``--warmup-steps`` steps are dropped. Same work on both sides: the same corpus (100 stdlib files,
+byte-level), model, initial weights, sample order, AdamW groups, LR schedule, clipping and accumulation, fp32 on
+one CPU process; the per-micro-batch losses of both sides are printed and compared.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -29,93 +32,101 @@ from lightning.pytorch.callbacks import Callback
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CORPUS_FILES = 100  # stdlib files in the benchmark corpus: about 13k windows of 128 tokens
-QUIET_LOAD = 0.2  # a step counts as quiet when other processes used less than this many cores during it
+QUIET_LOAD = 0.2  # a step is "quiet" when other processes used less than this many cores during it
+KINDS = ("plain", "lightning")
+SEED = 1337  # the app's DEFAULT_SEED: seed_everything before the model is built, and the sampler's seed
+LEARNING_RATE, WEIGHT_DECAY, LR_WARMUP_STEPS = 3e-3, 0.1, 10  # as in configs/quickstart.yaml (shorter warmup)
 
 
 def cpu_sample() -> list[float]:
-    """[wall clock, this process's CPU seconds, CPU seconds the whole machine has been busy (steal included)].
-
-    The machine is shared (2 cores), so each step records how much CPU other processes took meanwhile; steps
-    that competed with them are reported apart. Linux only (/proc/stat).
-    """
+    """[wall clock s, this process's CPU s, CPU s the whole machine has been busy (steal included)]: on a shared
+    machine, every step records how much CPU other processes took meanwhile (Linux only)."""
     with open("/proc/stat") as stat:
         user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, stat.readline().split()[1:9])
     busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
     return [time.perf_counter(), time.process_time(), busy]
 
 
+class Turns:
+    """One side of the lockstep: ``step_done`` tells the parent that a step has ended and blocks until the parent
+    gives this side the next turn. Keeps a [start, end] ``cpu_sample`` pair per step."""
+
+    def __init__(self, folder: str) -> None:
+        self.done = open(Path(folder) / "done", "wb", buffering=0)  # FIFOs made by the parent
+        self.go = open(Path(folder) / "go", "rb", buffering=0)
+        self.steps: list[list[list[float]]] = []
+        self.start: list[float] | None = None
+
+    def step_done(self) -> None:
+        if self.start is not None:
+            self.steps.append([self.start, cpu_sample()])
+        self.done.write(b".")
+        self.go.read(1)
+        self.start = cpu_sample()
+
+
 class StepTimer(Callback):
-    """Writes a wall-clock and CPU-time sample (``cpu_sample``) per optimizer step and every micro-batch's loss to a JSON file.
+    """The Lightning side: ``--trainer.callbacks+=benchmarks.lightning_overhead.StepTimer
+    --trainer.callbacks.path=FILE --trainer.callbacks.turns=FOLDER``; writes step times and losses to FILE."""
 
-    Loaded by the CLI with ``--trainer.callbacks+=benchmarks.lightning_overhead.StepTimer
-    --trainer.callbacks.path=FILE``.
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.samples: list[list[float]] = []
+    def __init__(self, path: str, turns: str) -> None:
+        self.path, self.turns_folder = path, turns
         self.losses: list[float] = []
         self._last_step = 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.turns = Turns(self.turns_folder)
+        self.turns.step_done()  # wait for the first turn
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         # Lightning hands back the loss divided by the accumulation; undo that the way the plain loop does it
         self.losses.append(outputs["loss"].item() * trainer.accumulate_grad_batches)
-        if trainer.global_step != self._last_step:  # an optimizer step (and the LR scheduler step) just happened
-            self.samples.append(cpu_sample())
+        if trainer.global_step != self._last_step:  # an optimizer step (and the LR scheduler's) just happened
             self._last_step = trainer.global_step
+            self.turns.step_done()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        result = {
-            "samples": self.samples,
-            "losses": self.losses,
-            "threads": torch.get_num_threads(),
+        Path(self.path).write_text(json.dumps({
+            "steps": self.turns.steps, "losses": self.losses, "threads": torch.get_num_threads(),
             "callbacks": [type(callback).__name__ for callback in trainer.callbacks],
             "logger": type(trainer.logger).__name__ if trainer.logger else None,
-        }
-        Path(self.path).write_text(json.dumps(result))
+        }))
 
 
 def run_plain(args: argparse.Namespace) -> dict[str, Any]:
-    """The hand-written loop: what ``cohort fit`` does per step, with nothing around it."""
+    """The hand-written loop: what ``cohort fit`` computes per step, with nothing around it."""
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
 
     from datamodules.samplers import GlobalBatchSampler
     from datamodules.token_files import IGNORE_INDEX, TokenWindows
     from models.gpt import GPT, gpt_config
-    from models.language_model import warmup_cosine_schedule
+    from models.language_model import warmup_cosine_schedule, weight_decay_groups
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)  # what seed_everything does before the CLI builds the model
+    torch.manual_seed(SEED)  # what the CLI's seed_everything does before it builds the model
     model = GPT(gpt_config(args.model, vocab_size=256, dropout=0.0))
     model.train()
     dataset = TokenWindows(Path(args.data_dir) / "train.bin", args.sequence_length, 256)
     sampler = GlobalBatchSampler(len(dataset), args.global_batch_size, args.micro_batch_size, rank=0, world_size=1,
-                                 seed=args.seed)
+                                 seed=SEED)  # the datamodule passes PL_GLOBAL_SEED, i.e. the same seed
     loader = DataLoader(dataset, sampler=sampler, batch_size=args.micro_batch_size, num_workers=0)
-    # the parameter groups of GPTLanguageModel.configure_optimizers: no decay on biases, norms and embeddings
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    params = list(model.parameters())
-    decay = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
-    no_decay = [p for p in params if p.dim() < 2 or id(p) in embeddings]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=args.learning_rate, betas=(0.9, 0.95), fused=True)
+    # the two groups of GPTLanguageModel.configure_optimizers (no decay on biases, norms and embeddings), fused
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, WEIGHT_DECAY), lr=LEARNING_RATE, betas=(0.9, 0.95),
+                                  fused=True)
     total_steps = args.warmup_steps + args.steps  # = trainer.max_steps = estimated_stepping_batches
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine_schedule(args.lr_warmup_steps, total_steps, 0.1))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine_schedule(LR_WARMUP_STEPS, total_steps, 0.1))
     clipped = [p for group in optimizer.param_groups for p in group["params"]]  # Lightning clips in this order
     accumulation = args.global_batch_size // args.micro_batch_size
 
-    samples: list[list[float]] = []
     losses: list[float] = []
     batches = iter(loader)
+    turns = Turns(args.turns)
+    turns.step_done()  # wait for the first turn
     for _ in range(total_steps):
         for _ in range(accumulation):
             inputs, targets = next(batches)
-            logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+            loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
             scaled = loss / accumulation  # as Lightning's closure scales it
             scaled.backward()
             losses.append(scaled.item() * accumulation)
@@ -123,98 +134,117 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        samples.append(cpu_sample())
-    return {"samples": samples, "losses": losses, "threads": torch.get_num_threads()}
+        turns.step_done()
+    return {"steps": turns.steps, "losses": losses, "threads": torch.get_num_threads()}
 
 
-def lightning_command(args: argparse.Namespace, out: Path) -> list[str]:
+def command(kind: str, args: argparse.Namespace, folder: Path) -> list[str]:
+    out, python = folder / "result.json", sys.executable
+    if kind == "plain":
+        return [python, "-m", "benchmarks.lightning_overhead", *args.argv, "--threads", str(args.threads),
+                "--worker", str(folder), "--data-dir", args.data_dir]
     return [
-        sys.executable, "-m", "app", "fit",
-        "--seed_everything", str(args.seed),
+        python, "-m", "app", "fit", "--seed_everything", str(SEED),
         "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.precision", "32-true",
-        "--trainer.max_steps", str(args.warmup_steps + args.steps),
-        "--trainer.gradient_clip_val", "1.0",
+        "--trainer.max_steps", str(args.warmup_steps + args.steps), "--trainer.gradient_clip_val", "1.0",
         "--trainer.limit_val_batches", "0",  # no validation
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
         "--trainer.log_every_n_steps", str(args.log_every_n_steps),  # TensorBoard logger stays on: it is the product
-        "--checkpoint.every_n_train_steps", "1000000",  # only the final last.ckpt, written after the timed steps
-        "--model.model_name", args.model, "--model.dropout", "0.0",
-        "--model.learning_rate", str(args.learning_rate), "--model.weight_decay", str(args.weight_decay),
-        "--model.warmup_steps", str(args.lr_warmup_steps),
+        "--checkpoint.every_n_train_steps", "1000000",  # only the final last.ckpt, after the timed steps
+        "--model.model_name", args.model, "--model.dropout", "0.0", "--model.learning_rate", str(LEARNING_RATE),
+        "--model.weight_decay", str(WEIGHT_DECAY), "--model.warmup_steps", str(LR_WARMUP_STEPS),
         "--data.data_dir", args.data_dir, "--data.sequence_length", str(args.sequence_length),
         "--data.global_batch_size", str(args.global_batch_size), "--data.micro_batch_size", str(args.micro_batch_size),
-        "--data.num_workers", "0",
-        "--trainer.callbacks+=benchmarks.lightning_overhead.StepTimer", f"--trainer.callbacks.path={out}",
+        "--data.num_workers", "0", "--trainer.callbacks+=benchmarks.lightning_overhead.StepTimer",
+        f"--trainer.callbacks.path={out}", f"--trainer.callbacks.turns={folder}",
     ]
 
 
-def run_once(kind: str, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
-    run_dir.mkdir(parents=True)
-    out = run_dir / "steps.json"
-    if kind == "lightning":
-        command = lightning_command(args, out)
-    else:
-        command = [sys.executable, "-m", "benchmarks.lightning_overhead", *args.argv, "--threads", str(args.threads),
-                   "--worker", "plain", "--out", str(out), "--data-dir", args.data_dir]
+def run_pair(args: argparse.Namespace, folder: Path, order: tuple[str, str]) -> dict[str, dict[str, Any]]:
+    """Start both sides, then hand out turns: one optimizer step each, in ``order``, until both are done."""
     # the same environment for both: torch's intra-op threads fixed, the repo importable, warnings off
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore",
+    python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": python_path, "PYTHONWARNINGS": "ignore",
            "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
-    started = time.perf_counter()
-    done = subprocess.run(command, cwd=run_dir, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"{kind} run failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    result = json.loads(out.read_text())
-    result["wall_s"] = time.perf_counter() - started
-    return result
+    procs, go, done = {}, {}, {}
+    for kind in KINDS:
+        (folder / kind).mkdir(parents=True)
+        for name, fds in (("go", go), ("done", done)):
+            os.mkfifo(folder / kind / name)
+            fds[kind] = os.open(folder / kind / name, os.O_RDWR)  # read-write: opening never blocks
+        with open(folder / kind / "log.txt", "w") as log:
+            procs[kind] = subprocess.Popen(command(kind, args, folder / kind), cwd=folder / kind, env=env,
+                                           stdout=log, stderr=subprocess.STDOUT)
+
+    def fail(kind: str) -> None:
+        sys.exit(f"{kind} run failed ({procs[kind].returncode}):\n{(folder / kind / 'log.txt').read_text()[-4000:]}")
+
+    def wait_done(kind: str) -> None:
+        while not select.select([done[kind]], [], [], 1.0)[0]:
+            if procs[kind].poll() is not None:  # it died instead of finishing its step
+                fail(kind)
+        os.read(done[kind], 1)
+
+    for kind in KINDS:
+        wait_done(kind)  # both started up and wait before their first step
+    for _ in range(args.warmup_steps + args.steps):
+        for kind in order:
+            os.write(go[kind], b".")
+            wait_done(kind)
+    results = {}
+    for kind in KINDS:
+        os.write(go[kind], b".")  # let both finish
+        if procs[kind].wait() != 0:
+            fail(kind)
+        results[kind] = json.loads((folder / kind / "result.json").read_text())
+    return results
 
 
-def timed_steps(result: dict[str, Any], warmup: int) -> list[tuple[float, float]]:
-    """(seconds, cores used by other processes) of each optimizer step after the warmup, from consecutive
-    end-of-step samples."""
-    samples = result["samples"][warmup - 1:]
-    return [(t1 - t0, max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0))
-            for (t0, own0, busy0), (t1, own1, busy1) in zip(samples, samples[1:])]
-
-
-def median_time(runs: list[dict[str, Any]], warmup: int, quiet: bool) -> tuple[float, int]:
-    """Median step time over all runs' timed steps (only the quiet ones if asked) and how many steps that is."""
-    times = [t for run in runs for t, load in timed_steps(run, warmup) if not quiet or load < QUIET_LOAD]
-    return (statistics.median(times) if times else float("nan")), len(times)
+def timed_steps(run: dict[str, Any], warmup: int) -> list[tuple[float, bool]]:
+    """(seconds, quiet) of each step after the warmup; quiet: other processes used less than QUIET_LOAD cores
+    meanwhile (or under two clock ticks of CPU, the resolution of /proc/stat, for very short steps)."""
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    return [(t1 - t0, (busy1 - busy0) - (own1 - own0) < max(QUIET_LOAD * (t1 - t0), 2 * tick))
+            for (t0, own0, busy0), (t1, own1, busy1) in run["steps"][warmup:]]
 
 
 def report(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -> None:
     accumulation = args.global_batch_size // args.micro_batch_size
+    lightning = results["lightning"][0]
     print(f"\nmodel {args.model}, global batch {args.global_batch_size} = micro {args.micro_batch_size} x "
           f"{accumulation} accumulation, sequence {args.sequence_length}, {args.steps} timed steps after "
-          f"{args.warmup_steps} warmup steps, {args.repeats} repeats, {results['plain'][0]['threads']} torch threads")
-    print(f"lightning callbacks: {', '.join(results['lightning'][0]['callbacks'])}; "
-          f"logger: {results['lightning'][0]['logger']} every {args.log_every_n_steps} steps")
-    print("\nloss per micro-batch (first 3 optimizer steps):")
-    plain_losses, lightning_losses = results["plain"][0]["losses"], results["lightning"][0]["losses"]
+          f"{args.warmup_steps} warmup steps, {args.repeats} repeats, {lightning['threads']} torch threads\n"
+          f"lightning callbacks: {', '.join(lightning['callbacks'])}; logger: {lightning['logger']} every "
+          f"{args.log_every_n_steps} steps\n\nloss per micro-batch (first 3 optimizer steps):")
+    plain_losses = results["plain"][0]["losses"]
     for i in range(min(3 * accumulation, len(plain_losses))):
         print(f"  step {i // accumulation} micro {i % accumulation}: plain {plain_losses[i]:.8f}  "
-              f"lightning {lightning_losses[i]:.8f}  diff {abs(plain_losses[i] - lightning_losses[i]):.2e}")
+              f"lightning {lightning['losses'][i]:.8f}  diff {abs(plain_losses[i] - lightning['losses'][i]):.2e}")
     worst = max(abs(a - b) for run in results["plain"] + results["lightning"]
                 for a, b in zip(plain_losses, run["losses"], strict=True))
-    print(f"  max |loss difference| over all {len(plain_losses)} micro-batches and all runs: {worst:.2e}")
+    print(f"  max |loss difference| over all {len(plain_losses)} micro-batches and all runs: {worst:.2e}\n")
 
-    print(f"\n{'':10}{'median s/step':>14}{'quiet steps':>12}{'all steps':>10}   per-repeat: median s/step "
-          f"(other processes' mean load, cores)")
+    steps = {kind: [timed_steps(run, args.warmup_steps) for run in runs] for kind, runs in results.items()}
     medians = {}
-    for kind, runs in results.items():
-        medians[kind], quiet_count = median_time(runs, args.warmup_steps, quiet=True)
-        all_median, all_count = median_time(runs, args.warmup_steps, quiet=False)
-        per_repeat = "  ".join(
-            f"{statistics.median(t for t, _ in steps):.4f} ({statistics.mean(load for _, load in steps):.2f})"
-            for steps in (timed_steps(run, args.warmup_steps) for run in runs))
-        print(f"{kind:10}{medians[kind]:14.4f}{quiet_count:>12}{all_median:10.4f}   {per_repeat}")
+    for kind, runs in steps.items():
+        every = [t for run in runs for t, _ in run]
+        quiet = [t for run in runs for t, calm in run if calm] or every  # never quiet: all steps
+        medians[kind] = statistics.median(quiet)
+        per_repeat = " ".join(f"{statistics.median(t for t, _ in run):.4f}" for run in runs)
+        print(f"{kind:>9}: median {medians[kind]:.4f} s/step over {len(quiet)} quiet steps "
+              f"({statistics.median(every):.4f} over all {len(every)}); per repeat: {per_repeat}")
+    # the two sides' k-th steps ran back to back, so their ratio and difference cancel the host's slow drifts
+    every_pair = [(lt, pt, p_calm and l_calm) for plain, lightning in zip(steps["plain"], steps["lightning"])
+                  for (pt, p_calm), (lt, l_calm) in zip(plain, lightning)]
+    pairs = [(lt, pt) for lt, pt, calm in every_pair if calm] or [(lt, pt) for lt, pt, _ in every_pair]
     ratio = medians["lightning"] / medians["plain"]
     bar = medians["plain"] * 1.01 + 0.1
-    overhead_ms = (medians["lightning"] - medians["plain"]) * 1000
-    print(f"(median s/step: over quiet steps, where other processes used < {QUIET_LOAD} cores; all steps: over all)")
-    print(f"\nratio lightning/plain: {ratio:.4f} (goal <= 1.02: {'met' if ratio <= 1.02 else 'NOT met'}); "
-          f"overhead {overhead_ms:+.1f} ms/step")
-    print(f"Lightning parity bar (plain x 1.01 + 0.1 s = {bar:.4f} s/step): "
+    print(f"(quiet: other processes used < {QUIET_LOAD} cores during the step)\n\n"
+          f"ratio lightning/plain of the medians: {ratio:.4f} (goal <= 1.02: {'met' if ratio <= 1.02 else 'NOT met'})"
+          f", difference {(medians['lightning'] - medians['plain']) * 1000:+.1f} ms/step\n"
+          f"{len(pairs)} quiet step pairs: median ratio {statistics.median(lt / pt for lt, pt in pairs):.4f}, "
+          f"median difference {statistics.median(lt - pt for lt, pt in pairs) * 1000:+.1f} ms/step\n"
+          f"Lightning parity bar (plain x 1.01 + 0.1 s = {bar:.4f} s/step): "
           f"{'passed' if medians['lightning'] <= bar else 'FAILED'}")
 
 
@@ -223,28 +253,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="small", help="a name from models.gpt.GPT_CONFIGS")
     parser.add_argument("--steps", type=int, default=40, help="timed optimizer steps per run")
     parser.add_argument("--warmup-steps", type=int, default=5, help="untimed optimizer steps at the start of a run")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each side, alternating which goes first")
+    parser.add_argument("--repeats", type=int, default=4, help="pairs of runs, alternating which side goes first")
     parser.add_argument("--global-batch-size", type=int, default=32)
     parser.add_argument("--micro-batch-size", type=int, default=16)
     parser.add_argument("--sequence-length", type=int, default=128)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads on both sides")
-    parser.add_argument("--seed", type=int, default=1337, help="the app's default seed_everything")
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
-    parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--lr-warmup-steps", type=int, default=10, help="the LR schedule's linear warmup")
     parser.add_argument("--log-every-n-steps", type=int, default=10, help="Lightning's logging cadence")
-    parser.add_argument("--worker", choices=["plain"], help=argparse.SUPPRESS)  # internal: run one side
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--save-json", type=Path, help="also write every run's raw step samples and losses here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run the plain loop, turns in this folder
     parser.add_argument("--data-dir", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else argv  # the plain-loop worker gets the same options
-    if args.worker == "plain":
-        Path(args.out).write_text(json.dumps(run_plain(args)))
+    if args.worker:
+        args.turns = args.worker
+        (Path(args.worker) / "result.json").write_text(json.dumps(run_plain(args)))
         return
+    args.argv = sys.argv[1:] if argv is None else argv  # the plain worker gets the same options
     if args.warmup_steps < 1 or args.global_batch_size % args.micro_batch_size:
         sys.exit("--warmup-steps must be >= 1 and --global-batch-size a multiple of --micro-batch-size")
     sys.path.insert(0, str(REPO_ROOT))
@@ -256,13 +283,16 @@ def main(argv: list[str] | None = None) -> None:
         steps_per_epoch = (train_tokens - 1) // args.sequence_length // args.global_batch_size
         if args.warmup_steps + args.steps > steps_per_epoch:  # an epoch boundary would add work to one step
             sys.exit(f"at most {steps_per_epoch} steps fit in one epoch of the benchmark corpus")
-        results: dict[str, list[dict[str, Any]]] = {"plain": [], "lightning": []}
+        results: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
         for repeat in range(args.repeats):
-            order = ("plain", "lightning") if repeat % 2 == 0 else ("lightning", "plain")
-            for kind in order:
-                results[kind].append(run_once(kind, args, Path(tmp) / f"{kind}_{repeat}"))
-                print(f"repeat {repeat} {kind}: {results[kind][-1]['wall_s']:.1f} s", flush=True)
+            order = KINDS if repeat % 2 == 0 else KINDS[::-1]
+            started = time.perf_counter()
+            for kind, result in run_pair(args, Path(tmp) / f"repeat_{repeat}", order).items():
+                results[kind].append(result)
+            print(f"repeat {repeat} ({' '.join(order)}): {time.perf_counter() - started:.1f} s", flush=True)
         report(args, results)
+        if args.save_json:
+            args.save_json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **results}))
 
 
 if __name__ == "__main__":
