@@ -41,7 +41,8 @@ class PreemptionCheckpoint(Callback):
         self._group = None
         if dist.is_available() and dist.is_initialized():
             self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
-        rank_zero_info(f"preemption: {self.signum.name} will checkpoint at the next step and requeue the job")
+        then = "requeue the job" if self.requeue and "SLURM_JOB_ID" in os.environ else "stop"
+        rank_zero_info(f"preemption: {self.signum.name} will checkpoint at the next step and {then}")
 
     def _record_request(self, signum: int, frame: FrameType | None) -> None:
         self.requested = True  # nothing else is safe inside a signal handler
