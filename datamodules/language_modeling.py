@@ -53,8 +53,8 @@ class ResumableDataLoader(DataLoader):
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        changed = [f"{key} {value} -> {self.state_dict()[key]}" for key, value in state.items()
-                   if self.state_dict().get(key) != value]
+        current = self.state_dict()
+        changed = [f"{key} {value} -> {current.get(key)}" for key, value in state.items() if current.get(key) != value]
         if changed:
             rank_zero_warn(f"resuming with a different data stream ({', '.join(changed)}): training continues, "
                            "but not exactly as the checkpointed run would have")
