@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -21,9 +20,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
 from app.errors import UserError
+from app.launch import detect_launch, join_process_group, launch_device
 
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -57,30 +56,6 @@ def message_sizes(smallest: int, largest: int) -> list[int]:
         sizes.append(size)
         size *= 4
     return sizes
-
-
-def init_process_group() -> torch.device:
-    """Join the job's process group from torchrun's or SLURM's variables (a world of one otherwise)."""
-    for environment in (TorchElasticEnvironment, SLURMEnvironment):
-        if environment.detect():
-            env = environment()
-            rank, world_size = env.global_rank(), env.world_size()
-            os.environ.setdefault("MASTER_ADDR", env.main_address)
-            os.environ.setdefault("MASTER_PORT", str(env.main_port))
-            local_rank = env.local_rank()
-            break
-    else:
-        rank, world_size, local_rank = 0, 1, 0
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    return device
 
 
 def time_collective(operation: str, elements: int, device: torch.device, iterations: int, warmup: int) -> float:
@@ -147,7 +122,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         sizes = message_sizes(parse_size(args.min_size), parse_size(args.max_size))
         if not sizes:
             raise UserError(f"--min-size {args.min_size} is larger than --max-size {args.max_size}")
-        device = init_process_group()
+        launch = detect_launch()
+        device = launch_device(launch)
+        join_process_group(launch, device)
     except UserError as error:
         sys.exit(f"cohort comm: error: {error}")
     try:

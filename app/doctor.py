@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from jsonargparse import Namespace
-from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
 from app.cli import CohortCLI
 from app.comm import time_collective
 from app.errors import UserError
+from app.launch import Launch, detect_launch, join_process_group, launch_device
 from app.run_plan import gradient_accumulation, resolve_precision
 from datamodules.language_modeling import LanguageModelingDataModule
 from datamodules.samplers import GlobalBatchSampler
@@ -43,15 +43,6 @@ class Check:
     status: str  # "pass", "warn" or "fail"
     detail: str
     advice: str = ""
-
-
-def launcher_world() -> tuple[int, int, int, str]:
-    """(rank, local rank, world size, launcher) from torchrun's or SLURM's environment; (0, 0, 1, "none") alone."""
-    for environment, name in ((TorchElasticEnvironment, "torchrun"), (SLURMEnvironment, "slurm")):
-        if environment.detect():
-            env = environment()
-            return env.global_rank(), env.local_rank(), env.world_size(), name
-    return 0, 0, 1, "none"
 
 
 def expected_world_size(trainer: Namespace) -> int:
@@ -75,12 +66,11 @@ def check_world(trainer: Namespace, world_size: int, launcher: str) -> Check:
     return Check("world size", "pass", detail)
 
 
-def check_rendezvous(device: torch.device, timeout_s: float) -> tuple[Check, bool]:
+def check_rendezvous(launch: Launch, device: torch.device, timeout_s: float) -> tuple[Check, bool]:
     """Join the process group and meet at a barrier; returns whether collectives can follow."""
     start = time.perf_counter()
     try:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        join_process_group(launch, device, timeout=timedelta(seconds=timeout_s))
         dist.barrier()
     except Exception as error:  # any failure here is the finding, reported rather than raised
         return Check("barrier", "fail", f"{type(error).__name__}: {error}".splitlines()[0][:200],
@@ -199,12 +189,13 @@ class DoctorCLI(CohortCLI):
 def main(argv: list[str]) -> None:
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")  # argv is the doctor's, on purpose
     config = DoctorCLI(argv).config
-    rank, local_rank, world_size, launcher = launcher_world()
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() and config.trainer.accelerator != "cpu" \
-        else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    checks = [check_world(config.trainer, world_size, launcher), check_addresses(int(config.trainer.num_nodes))]
+    try:
+        launch = detect_launch()
+    except (RuntimeError, ValueError) as error:  # e.g. Lightning refusing SLURM's --ntasks without --ntasks-per-node
+        sys.exit(f"cohort doctor: error: the launcher's environment is not usable: {error}")
+    rank, world_size = launch.rank, launch.world_size
+    device = launch_device(launch, use_gpu=config.trainer.accelerator != "cpu")
+    checks = [check_world(config.trainer, world_size, launch.launcher), check_addresses(int(config.trainer.num_nodes))]
     try:
         precision = resolve_precision(config.trainer.precision, "cuda" if device.type == "cuda" else "cpu")
         checks.append(Check("precision", "pass", f"{precision} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}"))
@@ -213,8 +204,8 @@ def main(argv: list[str]) -> None:
     joined = False
     if checks[0].status == "fail":
         checks.append(Check("barrier", "warn", "skipped: the processes do not form the job the config describes"))
-    elif launcher != "none":
-        barrier, joined = check_rendezvous(device, timeout_s=60)
+    elif launch.launcher != "none":
+        barrier, joined = check_rendezvous(launch, device, timeout_s=60)
         checks.append(barrier)
         if joined:
             checks.append(check_bandwidth(device))

@@ -7,6 +7,7 @@ No ``from __future__ import annotations`` here: DDP checks the comm hook's annot
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import sys
@@ -19,6 +20,14 @@ from lightning.pytorch.callbacks import Callback
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+DDP_2 = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
+
+
+def free_port() -> int:
+    """A TCP port nothing on this machine listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def run_cohort(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import QUIET, REPO_ROOT
+from tests.helpers import QUIET, REPO_ROOT, free_port
 
 pytestmark = pytest.mark.slow
 TORCHRUN = str(REPO_ROOT / "scripts" / "torchrun.sh")
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def launch(args: list[str], cwd: Path, prefix: list[str] | None = None, **env: str) -> subprocess.Popen:

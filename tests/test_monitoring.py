@@ -15,9 +15,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from app.flops import formula_flops_per_token, measured_flops_per_token, peak_tflops_per_device
 from app.monitoring import RankMonitor
 from models.gpt import GPT_CONFIGS
-from tests.helpers import QUIET, REPO_ROOT, run_cohort
+from tests.helpers import DDP_2, QUIET, REPO_ROOT, free_port, run_cohort
 
-DDP_2 = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
 
 
 def monitored_fit(tmp_path: Path, args: list[str], *extra: str) -> subprocess.CompletedProcess:
@@ -108,7 +107,7 @@ def test_comm_reports_consistent_bandwidths_on_two_processes(tmp_path: Path) -> 
     out = tmp_path / "comm.csv"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533", "-m", "app",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "app",
          "comm", "--max-size", "1M", "--iterations", "3", "--warmup", "1", "--csv", str(out)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )

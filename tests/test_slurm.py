@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import QUIET, REPO_ROOT, last_checkpoint_weights, run_cohort
+from tests.helpers import QUIET, REPO_ROOT, free_port, last_checkpoint_weights, run_cohort
 
 pytestmark = [
     pytest.mark.slow,
@@ -29,11 +28,6 @@ pytestmark = [
 ]
 SBATCH_SCRIPT = REPO_ROOT / "scripts" / "slurm" / "train.sbatch"
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def slurm_conf(state: Path) -> str:

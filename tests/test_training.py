@@ -10,10 +10,9 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import QUIET, last_checkpoint_weights, run_cohort
+from tests.helpers import DDP_2, QUIET, last_checkpoint_weights, run_cohort
 
 pytestmark = pytest.mark.slow
-DDP_2 = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
 
 
 def fit(run_dir: Path, args: list[str], *extra: str) -> Path:
