@@ -9,7 +9,6 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities import rank_zero_info
 
 from datamodules.samplers import derive_seed
 from models.language_model import GPTLanguageModel

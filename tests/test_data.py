@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from app.errors import UserError
 from datamodules.prepare import collect_text_files, main as prepare_main, prepare_byte_corpus
