@@ -6,6 +6,7 @@
     cohort predict -c configs/quickstart.yaml --ckpt_path last              # generate text from it
     torchrun --nproc_per_node=2 -m app comm                                 # collective bandwidth (app/comm.py)
     torchrun --nproc_per_node=2 -m app doctor -c ...                        # pre-flight checks (app/doctor.py)
+    cohort consolidate lightning_logs/version_0/checkpoints/last.ckpt       # sharded folder -> one file
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from jsonargparse import Namespace
 from lightning.fabric.plugins.environments import SLURMEnvironment
@@ -22,12 +25,12 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from app import comm
+from app import comm, consolidate
 from app.callbacks import PerRankSeed, PrintPredictions, RunCheckpoint
 from app.errors import UserError
 from app.monitoring import RankMonitor, ReplicaDivergenceError
 from app.preemption import PreemptionCheckpoint
-from app.run_plan import apply_batch_plan, check_checkpoint, find_last_checkpoint, resolve_precision
+from app.run_plan import apply_batch_plan, check_checkpoint, check_strategy, find_last_checkpoint, resolve_precision
 from datamodules.language_modeling import LanguageModelingDataModule
 from models.language_model import GPTLanguageModel
 
@@ -45,7 +48,6 @@ class CohortCLI(LightningCLI):
                     "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                     "init_args": {"save_dir": ".", "name": "lightning_logs"},
                 },
-                "plugins": [{"class_path": "app.callbacks.AtomicCheckpointIO"}],
                 "use_distributed_sampler": False,  # the datamodule shards by rank itself
                 "callbacks": [PerRankSeed(), PreemptionCheckpoint(), PrintPredictions()],
             },
@@ -88,6 +90,7 @@ class CohortCLI(LightningCLI):
                 class_path="lightning.fabric.plugins.environments.SLURMEnvironment",
                 init_args=Namespace(auto_requeue=False))]
         accelerator = trainer.accelerator if isinstance(trainer.accelerator, str) else "custom"
+        check_strategy(trainer.strategy, accelerator)
         trainer.precision = resolve_precision(trainer.precision, accelerator)
         if config.ckpt_path == "last":
             config.ckpt_path = self._resume_last(trainer)
@@ -119,14 +122,21 @@ def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["comm"]:
         return comm.main(argv[1:])
+    if argv[:1] == ["consolidate"]:
+        return run_reporting_errors(consolidate.main, argv[1:])
     if argv[:1] == ["doctor"]:
         from app import doctor  # imports this module
 
         return doctor.main(argv[1:])
     # noise from Lightning's own use of a torch API that torch deprecated; nothing a user can act on
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    run_reporting_errors(lambda cli_args: CohortCLI(args=cli_args), args)
+
+
+def run_reporting_errors(command: Callable[[Any], object], args: Any) -> None:
+    """Run a command; a user's mistake ends it with one line on stderr instead of a traceback."""
     try:
-        CohortCLI(args=args)
+        command(args)
     except (UserError, MisconfigurationException, ReplicaDivergenceError) as error:
         if os.environ.get("COHORT_TRACEBACK"):
             raise

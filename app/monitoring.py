@@ -113,7 +113,7 @@ class RankMonitor(Callback):
         datamodule = trainer.datamodule
         self.tokens_per_step = datamodule.global_batch_size * datamodule.sequence_length
         self.samples_per_step = datamodule.global_batch_size
-        config = pl_module.model.config
+        config = pl_module.config
         formula = formula_flops_per_token(config, datamodule.sequence_length)
         self.flops_per_token = measured_flops_per_token(config, datamodule.sequence_length)
         if abs(self.flops_per_token - formula) > 0.05 * formula:

@@ -12,27 +12,69 @@ from pathlib import Path
 import lightning as L
 import torch
 from jsonargparse import Namespace
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.errors import UserError
 from datamodules.language_modeling import LanguageModelingDataModule
 from models.language_model import GPTLanguageModel
+from models.parallelize import check_tensor_parallel_size
 
 PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
+META_FILE = "meta.pt"  # what Lightning writes beside the shards: loop state, hyperparameters, callbacks
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
-def gradient_accumulation(global_batch_size: int, micro_batch_size: int, world_size: int, num_nodes: int = 1) -> int:
-    """Micro-batches per optimizer step on each rank; a UserError when the numbers do not divide."""
-    per_pass = micro_batch_size * world_size
+def gradient_accumulation(
+    global_batch_size: int, micro_batch_size: int, world_size: int, num_nodes: int = 1, tensor_parallel_size: int = 1
+) -> int:
+    """Micro-batches per optimizer step on each rank; a UserError when the numbers do not divide.
+
+    Ranks of one tensor-parallel group work on the same samples, so the batch is split over
+    world_size / tensor_parallel_size data-parallel ranks."""
+    data_parallel_size = world_size // tensor_parallel_size
+    per_pass = micro_batch_size * data_parallel_size
     if global_batch_size % per_pass != 0:
         devices = world_size // max(num_nodes, 1)
+        ranks = f"{world_size} processes ({devices} devices x {num_nodes} nodes)"
+        if tensor_parallel_size > 1:
+            ranks = f"{data_parallel_size} data-parallel ranks ({ranks} / tensor_parallel_size {tensor_parallel_size})"
         raise UserError(
             f"data.global_batch_size={global_batch_size} is not a multiple of data.micro_batch_size={micro_batch_size}"
-            f" x {world_size} processes ({devices} devices x {num_nodes} nodes) = {per_pass}: "
-            f"choose a global batch that is a multiple of {per_pass}, or another micro batch"
+            f" x {ranks} = {per_pass}: choose a global batch that is a multiple of {per_pass}, or another micro batch"
         )
     return global_batch_size // per_pass
+
+
+def parallel_sizes(trainer: L.Trainer) -> tuple[int, int]:
+    """(data-parallel size, tensor-parallel size) of the run; a UserError for sizes that cannot work.
+
+    Read before the processes start, so that a bad size fails in one line instead of in every rank."""
+    strategy = trainer.strategy
+    if not isinstance(strategy, ModelParallelStrategy):
+        return trainer.world_size, 1
+    # the strategy resolves "auto" only once the processes run: data parallel over nodes, tensor parallel within
+    data_parallel = strategy._data_parallel_size
+    tensor_parallel = strategy._tensor_parallel_size
+    data_parallel = trainer.num_nodes if data_parallel == "auto" else data_parallel
+    tensor_parallel = trainer.num_devices if tensor_parallel == "auto" else tensor_parallel
+    if data_parallel * tensor_parallel != trainer.world_size:
+        raise UserError(
+            f"data_parallel_size={data_parallel} x tensor_parallel_size={tensor_parallel} must equal the world size "
+            f"{trainer.world_size} ({trainer.num_devices} devices x {trainer.num_nodes} nodes): change the sizes in "
+            "trainer.strategy.init_args or the devices"
+        )
+    return data_parallel, tensor_parallel
+
+
+def check_strategy(strategy: str | Namespace | None, accelerator: str) -> None:
+    """FSDP (version 1) needs GPUs; on CPUs the same sharding runs as FSDP2 under ModelParallelStrategy."""
+    name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", "")
+    is_fsdp = name == "fsdp" or str(name).endswith("FSDPStrategy")
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if is_fsdp and on_cpu:
+        raise UserError("trainer.strategy fsdp needs CUDA GPUs: on CPUs use configs/trainer/model_parallel_cpu.yaml "
+                        "(FSDP2 through ModelParallelStrategy over gloo)")
 
 
 def apply_batch_plan(
@@ -44,13 +86,22 @@ def apply_batch_plan(
             f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches} is derived here: set "
             "data.global_batch_size and data.micro_batch_size instead and leave it at 1"
         )
+    _, tensor_parallel = parallel_sizes(trainer)
+    try:
+        check_tensor_parallel_size(model.config.n_head, tensor_parallel)
+    except ValueError as error:
+        raise UserError(f"{error} (model '{model.hparams.model_name}')") from None
+    if isinstance(trainer.strategy, FSDPStrategy) and model.hparams.activation_checkpointing:
+        raise UserError("model.activation_checkpointing is for DDP and model_parallel; under fsdp set "
+                        "trainer.strategy.init_args.activation_checkpointing_policy (see configs/trainer/fsdp_gpu_bf16.yaml)")
     accumulation = gradient_accumulation(
-        datamodule.global_batch_size, datamodule.micro_batch_size, trainer.world_size, trainer.num_nodes
+        datamodule.global_batch_size, datamodule.micro_batch_size, trainer.world_size, trainer.num_nodes,
+        tensor_parallel,
     )
     trainer.accumulate_grad_batches = accumulation
     if val_every_n_steps is not None:
         trainer.val_check_interval = val_every_n_steps * accumulation  # Lightning counts micro-batches here
-    block_size = model.model.config.block_size
+    block_size = model.config.block_size
     if datamodule.sequence_length > block_size:
         raise UserError(
             f"data.sequence_length={datamodule.sequence_length} exceeds the block_size {block_size} of model "
@@ -58,7 +109,7 @@ def apply_batch_plan(
         )
     rank_zero_info(
         f"batch plan: global batch {datamodule.global_batch_size} = micro batch {datamodule.micro_batch_size} x "
-        f"{trainer.world_size} processes x {accumulation} accumulation steps; "
+        f"{trainer.world_size // tensor_parallel} data-parallel ranks x {accumulation} accumulation steps; "
         f"{datamodule.global_batch_size * datamodule.sequence_length:,} tokens per optimizer step"
     )
 
@@ -93,14 +144,25 @@ def find_last_checkpoint(log_root: Path) -> Path | None:
 
 
 def check_checkpoint(path: Path, model_config: Namespace) -> None:
-    """A UserError, before anything starts, for a checkpoint that is missing, broken, or of another model."""
-    if not path.is_file():
-        raise UserError(f"checkpoint {path} does not exist: pass a .ckpt file, or --ckpt_path last")
-    if not os.access(path, os.R_OK):
-        raise UserError(f"checkpoint {path} is not readable: fix its permissions")
-    if not zipfile.is_zipfile(path):
-        raise UserError(f"checkpoint {path} is not a torch checkpoint (truncated or another format): use another one")
-    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False).get("hyper_parameters", {})
+    """A UserError, before anything starts, for a checkpoint that is missing, broken, or of another model.
+
+    A checkpoint is one file, or a folder of shards (torch.distributed.checkpoint) whose ``meta.pt`` holds
+    everything but the weights and optimizer states."""
+    if path.is_dir():
+        if not (path / ".metadata").is_file() or not (path / META_FILE).is_file():
+            raise UserError(f"checkpoint folder {path} is not a complete sharded checkpoint (no .metadata or "
+                            f"{META_FILE}): use another one")
+        hyperparameters_file = path / META_FILE
+    elif not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist: pass a .ckpt file or folder, or --ckpt_path last")
+    else:
+        hyperparameters_file = path
+    if not os.access(hyperparameters_file, os.R_OK):
+        raise UserError(f"checkpoint {hyperparameters_file} is not readable: fix its permissions")
+    if not zipfile.is_zipfile(hyperparameters_file):
+        raise UserError(f"checkpoint {hyperparameters_file} is not a torch checkpoint (truncated or another format): "
+                        "use another one")
+    saved = torch.load(hyperparameters_file, map_location="cpu", mmap=True, weights_only=False).get("hyper_parameters", {})
     for name in ("model_name", "vocab_size"):  # what decides the shapes of the weights
         if name in saved and saved[name] != model_config[name]:
             raise UserError(

@@ -101,11 +101,12 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
 
     from datamodules.samplers import GlobalBatchSampler
     from datamodules.token_files import IGNORE_INDEX, TokenWindows
-    from models.gpt import GPT, gpt_config
+    from models.gpt import gpt_config
     from models.language_model import warmup_cosine_schedule, weight_decay_groups
+    from models.parallelize import build_gpt
 
-    torch.manual_seed(SEED)  # what the CLI's seed_everything does before it builds the model
-    model = GPT(gpt_config(args.model, vocab_size=256, dropout=0.0))
+    # what GPTLanguageModel.configure_model builds: the same weights from the same seed
+    model = build_gpt(gpt_config(args.model, vocab_size=256, dropout=0.0), torch.device("cpu"), seed=SEED)
     model.train()
     dataset = TokenWindows(Path(args.data_dir) / "train.bin", args.sequence_length, 256)
     sampler = GlobalBatchSampler(len(dataset), args.global_batch_size, args.micro_batch_size, rank=0, world_size=1,

@@ -23,6 +23,13 @@ from datamodules.samplers import EvenShardSampler, GlobalBatchSampler
 from datamodules.token_files import TokenWindows, check_token_file
 
 
+def data_parallel_rank_and_size(trainer: L.Trainer) -> tuple[int, int]:
+    """This rank's place among the ranks that read different samples. Ranks of one tensor-parallel group read
+    the same samples, so under ModelParallelStrategy this is the data-parallel coordinate, not the global rank."""
+    sampler_kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return sampler_kwargs.get("rank", 0), sampler_kwargs.get("num_replicas", 1)
+
+
 class ResumableDataLoader(DataLoader):
     """A DataLoader that Lightning treats as resumable, and that counts the time the loop waits for batches.
 
@@ -129,12 +136,13 @@ class LanguageModelingDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None
+        rank, data_parallel_size = data_parallel_rank_and_size(self.trainer)
         sampler = GlobalBatchSampler(
             num_samples=len(self.train_set),
             global_batch_size=self.global_batch_size,
             micro_batch_size=self.micro_batch_size,
-            rank=self.trainer.global_rank,
-            world_size=self.trainer.world_size,
+            rank=rank,
+            world_size=data_parallel_size,
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # set by seed_everything
             current_step=lambda: self.trainer.global_step,  # restored from the checkpoint when resuming
         )
@@ -143,7 +151,7 @@ class LanguageModelingDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None
         num_samples = min(len(self.val_set), self.val_samples or len(self.val_set))
-        sampler = EvenShardSampler(num_samples, self.trainer.global_rank, self.trainer.world_size)
+        sampler = EvenShardSampler(num_samples, *data_parallel_rank_and_size(self.trainer))
         return DataLoader(self.val_set, sampler=sampler, **self.loader_options())
 
     def test_dataloader(self) -> DataLoader:

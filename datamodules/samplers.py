@@ -22,7 +22,7 @@ from torch.utils.data import Sampler
 from datamodules.token_files import PADDING_INDEX
 
 
-def derive_seed(*parts: int) -> int:
+def derive_seed(*parts: int | str) -> int:
     """A 63-bit seed that depends on every part; nearby inputs give unrelated seeds."""
     digest = hashlib.sha256("/".join(str(part) for part in parts).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1

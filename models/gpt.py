@@ -1,10 +1,13 @@
 """A decoder-only GPT with exactly the GPT-2 architecture, as plain ``nn.Module`` code.
 
 Learned absolute position embeddings, pre-LayerNorm blocks, a GELU MLP of width 4 x n_embd, the output head
-tied to the token embedding, and GPT-2's initialisation (normal(0, 0.02), with the residual projections scaled
-by 1 / sqrt(2 * n_layer)). Attention goes through ``F.scaled_dot_product_attention`` so that the fastest kernel
-for the device is picked. Nothing here knows about processes, devices or precision: parallelism is applied from
-outside.
+tied to the token embedding, and GPT-2's initialisation (``initial_std``: normal(0, 0.02), with the residual
+projections scaled by 1 / sqrt(2 * n_layer)). Attention goes through ``F.scaled_dot_product_attention`` so that
+the fastest kernel for the device is picked. Nothing here knows about processes, devices or precision: the model
+is built (usually on the meta device), then ``models/parallelize.py`` shards and initialises it.
+
+Shapes are read from the tensors, not the config, wherever tensor parallelism shards them: a rank then holds
+n_head / tp heads and 4 * n_embd / tp MLP columns.
 """
 
 from __future__ import annotations
@@ -56,21 +59,21 @@ def gpt_config(name: str, **overrides: int | float | bool | None) -> GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head = config.n_head
+        self.head_size = config.n_embd // config.n_head
         self.dropout = config.dropout
+        # one fused projection whose output is laid out head by head, (q, k, v) within each head, so that a
+        # column shard (tensor parallelism) holds whole heads with their q, k and v
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        B, T, _ = x.shape
+        qkv = self.qkv(x).view(B, T, -1, 3, self.head_size)  # (B, T, nh, 3, hs); nh is this rank's heads
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh, T, hs)
         dropout_p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hs)
         return self.resid_dropout(self.proj(y))
 
 
@@ -110,24 +113,16 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one matrix, counted once
-        self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        """GPT-2 initialisation; residual projections are scaled so the residual stream's variance does not
-        grow with depth."""
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                std = residual_std if name.endswith(("attn.proj", "mlp.proj")) else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+    def initial_std(self, name: str) -> float | None:
+        """GPT-2's initialisation of parameter ``name``: the std of its zero-mean normal draw, or None for the
+        norms' weights (1) and every bias (0). Residual projections are scaled so that the residual stream's
+        variance does not grow with depth. Applied by ``models.parallelize.init_weights``."""
+        if name.endswith("bias") or name.startswith("ln_f") or ".ln_" in name:
+            return None
+        if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+            return 0.02 / math.sqrt(2 * self.config.n_layer)
+        return 0.02
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) to next-token logits (B, T, vocab_size)."""
@@ -146,7 +141,12 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(
-        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """Extend the (B, T) prompt by sampling ``max_new_tokens`` tokens, cropping the context to block_size."""
         for _ in range(max_new_tokens):
@@ -155,6 +155,6 @@ class GPT(nn.Module):
             if top_k is not None:
                 kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                 logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-            next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
             idx = torch.cat((idx, next_token), dim=1)
         return idx

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -10,12 +11,17 @@ import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
 from app.errors import UserError
 from datamodules.token_files import IGNORE_INDEX
 from models.gpt import GPT, GPT_CONFIGS, gpt_config
+from models.parallelize import CHECKPOINT_WRAPPER_PREFIX, build_gpt
+
+# FSDP2's compute dtype for each mixed precision; the sharded float32 master weights stay float32
+FSDP_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 class GPTLanguageModel(L.LightningModule):
@@ -35,6 +41,8 @@ class GPTLanguageModel(L.LightningModule):
         max_new_tokens: int = 200,
         temperature: float = 0.8,
         top_k: int | None = 40,
+        activation_checkpointing: bool = False,
+        compile: bool = False,
     ) -> None:
         """
         Args:
@@ -52,12 +60,15 @@ class GPTLanguageModel(L.LightningModule):
             max_new_tokens: tokens generated per prompt by ``predict``.
             temperature: sampling temperature for generation.
             top_k: sample among the k most likely tokens only; None samples from all.
+            activation_checkpointing: recompute each block's activations in backward instead of keeping them.
+            compile: torch.compile each Transformer block.
         """
         super().__init__()
         self.save_hyperparameters()
         if model_name not in GPT_CONFIGS:
             raise UserError(f"unknown model.model_name '{model_name}': choose one of {', '.join(GPT_CONFIGS)}")
-        self.model = GPT(gpt_config(model_name, vocab_size=vocab_size, dropout=dropout))
+        self.config = gpt_config(model_name, vocab_size=vocab_size, dropout=dropout)
+        self.model: GPT | None = None  # built by configure_model, where the strategy's device mesh is known
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
 
@@ -70,6 +81,48 @@ class GPTLanguageModel(L.LightningModule):
                 raise UserError("model.reference_batch_size needs model.global_batch_size (linked from data)")
             lr *= self.hparams.global_batch_size / self.hparams.reference_batch_size
         return lr
+
+    def configure_model(self) -> None:
+        """Build the GPT on the meta device and let ``build_gpt`` parallelise, materialise and initialise it on
+        this rank's device: under ModelParallelStrategy over its (data_parallel, tensor_parallel) mesh."""
+        if self.model is not None:  # Lightning calls this once per fit/validate/...; build once
+            return
+        trainer = self._trainer
+        device = torch.device("cpu") if trainer is None else trainer.strategy.root_device
+        if isinstance(trainer and trainer.strategy, FSDPStrategy):
+            device = torch.device("cpu")  # FSDP (1) moves each unit to its GPU as it shards it
+        self.model = build_gpt(
+            self.config,
+            device=device,
+            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+            device_mesh=self.device_mesh,
+            activation_checkpointing=self.hparams.activation_checkpointing,
+            compile=self.hparams.compile,
+            param_dtype=FSDP_PARAM_DTYPES.get(str(trainer.precision)) if trainer is not None else None,
+        )
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Key a plain optimizer's state by parameter name, as sharded strategies do, so that a checkpoint
+        moves between strategies: positions depend on the weight-decay groups, names do not."""
+        names = self._parameter_names()
+        states = checkpoint.get("optimizer_states", [])
+        for index, optimizer in enumerate(self.trainer.optimizers[: len(states)]):
+            if _keyed_by_position(states[index]):
+                states[index] = optimizer_state_by_name(states[index], optimizer, names)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Back to positions for a plain optimizer (DDP, one device); sharded strategies load names themselves."""
+        if isinstance(self.trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
+            return
+        names = self._parameter_names()
+        states = checkpoint.get("optimizer_states", [])
+        for index, optimizer in enumerate(self.trainer.optimizers[: len(states)]):
+            if not _keyed_by_position(states[index]):
+                states[index] = optimizer_state_by_position(states[index], optimizer, names)
+
+    def _parameter_names(self) -> dict[int, str]:
+        """Parameter (by id) to its name as checkpoints store it, without wrapper modules' names."""
+        return {id(p): name.replace(CHECKPOINT_WRAPPER_PREFIX, "") for name, p in self.named_parameters()}
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
@@ -118,11 +171,13 @@ class GPTLanguageModel(L.LightningModule):
         return {"prompt": decode_bytes(prompt[0]), "completion": self.generate_text(prompt)}
 
     def generate_text(self, prompt: torch.Tensor) -> str:
-        """Continue a (1, T) byte-level prompt and return the new text."""
+        """Continue a (1, T) byte-level prompt and return the new text. Sampling is seeded, so every rank draws
+        the same tokens: under sharded strategies generation is a collective all ranks run together."""
         was_training = self.model.training
         self.model.eval()
+        generator = torch.Generator(device=self.device).manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 0)))
         tokens = self.model.generate(
-            prompt.to(self.device), self.hparams.max_new_tokens, self.hparams.temperature, self.hparams.top_k
+            prompt.to(self.device), self.hparams.max_new_tokens, self.hparams.temperature, self.hparams.top_k, generator
         )
         self.model.train(was_training)
         return decode_bytes(tokens[0, prompt.size(1) :])
@@ -155,6 +210,35 @@ def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str,
     decay = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
     no_decay = [p for p in params if p.dim() < 2 or id(p) in embeddings]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _keyed_by_position(optimizer_state: dict[str, Any]) -> bool:
+    return any(isinstance(params, int) for group in optimizer_state["param_groups"] for params in group["params"])
+
+
+def optimizer_state_by_name(state: dict[str, Any], optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
+    """A torch optimizer state dict (parameters numbered in param-group order) with parameter names instead."""
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {
+        "state": {order[position]: value for position, value in state["state"].items()},
+        "param_groups": [{**group, "params": [order[position] for position in group["params"]]}
+                         for group in state["param_groups"]],
+    }
+
+
+def optimizer_state_by_position(state: dict[str, Any], optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
+    """The inverse of ``optimizer_state_by_name`` for this optimizer: positions in its own param-group order."""
+    flat = [p for group in optimizer.param_groups for p in group["params"]]
+    position = {names[id(p)]: index for index, p in enumerate(flat)}
+    unknown = [name for group in state["param_groups"] for name in group["params"] if name not in position]
+    if unknown or len(state["param_groups"]) != len(optimizer.param_groups):
+        raise UserError(f"the checkpoint's optimizer state does not fit this model (parameters {unknown[:3]}): "
+                        "resume with the model config it was trained with")
+    groups, start = [], 0
+    for saved, current in zip(state["param_groups"], optimizer.param_groups):
+        groups.append({**saved, "params": list(range(start, start + len(current["params"])))})
+        start += len(current["params"])
+    return {"state": {position[name]: value for name, value in state["state"].items()}, "param_groups": groups}
 
 
 def warmup_cosine_schedule(warmup_steps: int, decay_steps: int, min_ratio: float) -> Callable[[int], float]:

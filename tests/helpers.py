@@ -39,9 +39,55 @@ def run_cohort(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.C
     )
 
 
+def fit(run_dir: Path, args: list[str], *extra: str) -> Path:
+    """``cohort fit`` in ``run_dir`` (made if new); returns it (its lightning_logs holds the run)."""
+    run_dir.mkdir(exist_ok=True)
+    result = run_cohort(["fit", *args, *QUIET, *extra], cwd=run_dir)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return run_dir
+
+
+def last_checkpoint(run_dir: Path, version: int = 0) -> Path:
+    return run_dir / "lightning_logs" / f"version_{version}" / "checkpoints" / "last.ckpt"
+
+
 def last_checkpoint_weights(run_dir: Path, version: int = 0) -> dict[str, torch.Tensor]:
-    path = run_dir / "lightning_logs" / f"version_{version}" / "checkpoints" / "last.ckpt"
+    """The final weights of a run, also from a sharded checkpoint folder (consolidated first)."""
+    path = last_checkpoint(run_dir, version)
+    if path.is_dir():
+        from app.consolidate import consolidate
+
+        consolidated = path.with_name("last.consolidated.ckpt")
+        if not consolidated.exists():
+            consolidate(path, consolidated)
+        path = consolidated
     return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+
+
+def without_key_bias(weights: dict[str, torch.Tensor], n_head: int = 2) -> dict[str, torch.Tensor]:
+    """Drop the key part of each qkv bias (laid out head by head as q, k, v; the debug model has 2 heads). Its
+    true gradient is exactly zero (softmax ignores a shift shared by all keys), so what it gets is rounding
+    noise, which Adam scales up to full-size steps: equal sums computed in another order legitimately move it
+    by up to lr x steps."""
+    trimmed = dict(weights)
+    for name, tensor in weights.items():
+        if name.endswith("attn.qkv.bias"):
+            per_head = tensor.view(n_head, 3, -1)
+            trimmed[name] = per_head[:, [0, 2]].flatten()
+    return trimmed
+
+
+def assert_weights_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float) -> None:
+    a, b = without_key_bias(a), without_key_bias(b)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=rtol * a[name].abs().max().item(), msg=name)
+
+
+def assert_weights_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, f"not bitwise equal: {different}"
 
 
 class KillAtStep(Callback):

@@ -7,8 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from jsonargparse import ArgumentParser
+from lightning.pytorch.strategies import FSDPStrategy
 
 from app.cli import main
+from models.gpt import Block
 from tests.helpers import QUIET, REPO_ROOT, run_cohort
 
 CONFIGS = sorted((REPO_ROOT / "configs").rglob("*.yaml"))
@@ -18,7 +22,8 @@ RECIPES = [path for path in CONFIGS if path not in TRAINER_PRESETS]
 
 def test_configs_exist() -> None:
     names = {path.stem for path in TRAINER_PRESETS}
-    assert {"cpu", "ddp_cpu", "gpu_bf16", "ddp_gpu_bf16", "multinode_gpu_bf16"} <= names
+    assert {"cpu", "ddp_cpu", "gpu_bf16", "ddp_gpu_bf16", "multinode_gpu_bf16", "fsdp_gpu_bf16", "model_parallel_cpu",
+            "model_parallel_gpu_bf16"} <= names
     assert REPO_ROOT / "configs" / "quickstart.yaml" in RECIPES
 
 
@@ -32,6 +37,18 @@ def test_recipe_and_preset_parse_together(recipe: Path, preset: Path, capsys: py
     assert exit_info.value.code in (0, None)
     printed = capsys.readouterr().out
     assert "model_name:" in printed and "global_batch_size:" in printed
+
+
+def test_fsdp_preset_wraps_and_checkpoints_each_transformer_block() -> None:
+    """The strategy the fsdp preset builds (constructing it needs no GPU): one FSDP unit per Block."""
+    strategy_config = yaml.safe_load((REPO_ROOT / "configs/trainer/fsdp_gpu_bf16.yaml").read_text())["trainer"]["strategy"]
+    strategy_config["init_args"]["activation_checkpointing_policy"] = ["models.gpt.Block"]
+    parser = ArgumentParser()
+    parser.add_argument("--strategy", type=FSDPStrategy)
+    strategy = parser.instantiate(parser.parse_object({"strategy": strategy_config})).strategy
+    assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Block}
+    assert strategy._activation_checkpointing_kwargs["auto_wrap_policy"]._module_classes == {Block}
+    assert strategy.sharding_strategy.name == "FULL_SHARD" and strategy._state_dict_type == "sharded"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.parent.name + "/" + p.stem)
@@ -52,5 +69,5 @@ def test_quickstart_runs_on_two_processes(tmp_path: Path, byte_corpus: Path) -> 
                          "--trainer.limit_val_batches", "2", "--val_every_n_steps", "2",
                          "--model.max_new_tokens", "5"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "global batch 32 = micro batch 16 x 2 processes x 1 accumulation steps" in result.stdout + result.stderr
+    assert "global batch 32 = micro batch 16 x 2 data-parallel ranks x 1 accumulation steps" in result.stdout + result.stderr
     assert "--- sample after 2 steps ---" in result.stdout

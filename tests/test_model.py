@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from models.gpt import GPT, GPT_CONFIGS, gpt_config
+from models.parallelize import build_gpt
 
 
 def test_gpt2_has_exactly_124_439_808_parameters() -> None:
@@ -45,14 +46,25 @@ def test_output_head_is_tied_to_the_token_embedding() -> None:
 
 
 def test_residual_projections_get_the_scaled_init() -> None:
-    torch.manual_seed(0)
     config = gpt_config("small", n_embd=256)
-    model = GPT(config)
+    model = build_gpt(config, torch.device("cpu"), seed=0)
     expected = 0.02 / math.sqrt(2 * config.n_layer)
     for block in model.blocks:
         assert block.attn.proj.weight.std().item() == pytest.approx(expected, rel=0.05)
         assert block.mlp.proj.weight.std().item() == pytest.approx(expected, rel=0.05)
         assert block.mlp.fc.weight.std().item() == pytest.approx(0.02, rel=0.05)
+        assert torch.all(block.ln_1.weight == 1) and torch.all(block.attn.qkv.bias == 0)
+
+
+def test_the_seed_alone_decides_the_initial_weights() -> None:
+    config = GPT_CONFIGS["debug"]
+    first, again, other = (build_gpt(config, torch.device("cpu"), seed) for seed in (1, 1, 2))
+    torch.manual_seed(123)  # the global generator plays no part
+    wrapped = build_gpt(config, torch.device("cpu"), 1, activation_checkpointing=True)
+    assert first.lm_head.weight is first.wte.weight  # still tied after materialising from the meta device
+    for name, weight in first.state_dict().items():
+        assert torch.equal(weight, again.state_dict()[name]) and torch.equal(weight, wrapped.state_dict()[name])
+    assert not torch.equal(first.wte.weight, other.wte.weight)
 
 
 def test_attention_is_causal() -> None:

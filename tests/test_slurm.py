@@ -116,7 +116,7 @@ def test_sbatch_script_trains_with_two_tasks(slurm: dict[str, str], tmp_path: Pa
     state = wait_until_finished(slurm, job_id, timeout=240)
     log = (tmp_path / f"slurm-{job_id}.out").read_text()
     assert state == "COMPLETED", log[-3000:]
-    assert "2 tasks" in log and "x 2 processes x" in log  # world size 2, from SLURM's environment
+    assert "2 tasks" in log and "x 2 data-parallel ranks x" in log  # world size 2, from SLURM's environment
     assert list((tmp_path / "lightning_logs" / "version_0").glob("events.out.tfevents.*"))
     assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
 

@@ -10,42 +10,11 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import DDP_2, QUIET, last_checkpoint_weights, run_cohort
+from tests.helpers import (
+    DDP_2, QUIET, assert_weights_close, assert_weights_equal, fit, last_checkpoint_weights, run_cohort,
+)
 
 pytestmark = pytest.mark.slow
-
-
-def fit(run_dir: Path, args: list[str], *extra: str) -> Path:
-    """``cohort fit`` in ``run_dir`` (made if new); returns it (its lightning_logs holds the run)."""
-    run_dir.mkdir(exist_ok=True)
-    result = run_cohort(["fit", *args, *QUIET, *extra], cwd=run_dir)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return run_dir
-
-
-def without_key_bias(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop the key third of each qkv bias. Its true gradient is exactly zero (softmax ignores a shift shared by
-    all keys), so what it gets is rounding noise, which Adam scales up to full-size steps: equal sums computed in
-    another order legitimately move it by up to lr x steps."""
-    trimmed = dict(weights)
-    for name, tensor in weights.items():
-        if name.endswith("attn.qkv.bias"):
-            query, _, value = tensor.chunk(3)
-            trimmed[name] = torch.cat([query, value])
-    return trimmed
-
-
-def assert_weights_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float) -> None:
-    a, b = without_key_bias(a), without_key_bias(b)
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=rtol * a[name].abs().max().item(), msg=name)
-
-
-def assert_weights_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    different = [name for name in a if not torch.equal(a[name], b[name])]
-    assert not different, f"not bitwise equal: {different}"
 
 
 def test_single_process_fit_logs_to_tensorboard(tmp_path: Path, debug_run_args: list[str]) -> None:

@@ -1,0 +1,123 @@
+"""models/parallelize.py on a 2-process gloo mesh: shard sizes, seed-determined initialisation, equal gradients;
+activation checkpointing and compile in one process."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from models.gpt import GPT, GPT_CONFIGS, gpt_config
+from models.parallelize import build_gpt, check_tensor_parallel_size
+from tests.helpers import free_port
+
+CONFIG = GPT_CONFIGS["debug"]
+SEED = 5
+
+
+def batch(samples: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, CONFIG.vocab_size, (samples, 33), generator=torch.Generator().manual_seed(0))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_of(model: GPT, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+
+
+def check_on_mesh(rank: int, port: int, data_parallel: int, tensor_parallel: int, report: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (data_parallel, tensor_parallel), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        sharded = build_gpt(CONFIG, torch.device("cpu"), SEED, mesh)
+        reference = build_gpt(CONFIG, torch.device("cpu"), SEED)
+        inputs, targets = batch()
+        loss_of(reference, inputs, targets).backward()
+        if data_parallel > 1:  # each data-parallel rank takes its half of the batch
+            inputs, targets = inputs.chunk(2)[rank], targets.chunk(2)[rank]
+        loss_of(sharded, inputs, targets).backward()
+        reference_parameters = dict(reference.named_parameters())
+        for name, param in sharded.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+            report[(rank, name)] = {
+                "local": local.numel(),
+                "full": full.numel(),
+                "row": full[0].numel(),  # dim-0 shards of uneven length differ by at most one row
+                "same_init_as_one_process": torch.equal(full.detach(), reference_parameters[name].detach()),
+                "grad_error": ((grad - reference_parameters[name].grad).abs().max() / reference_parameters[name].grad.abs().max()).item(),
+            }
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["fsdp2-dp2", "tp2"])
+def mesh_report(request: pytest.FixtureRequest) -> tuple[tuple[int, int], dict]:
+    report = mp.Manager().dict()
+    mp.spawn(check_on_mesh, args=(free_port(), *request.param, report), nprocs=2)
+    return request.param, dict(report)
+
+
+@pytest.mark.slow
+def test_sharded_parameters_split_in_half_and_add_up_exactly(mesh_report: tuple[tuple[int, int], dict]) -> None:
+    (data_parallel, tensor_parallel), report = mesh_report
+    names = {name for _, name in report}
+    assert len(names) == len(list(GPT(CONFIG).parameters()))  # the tied head is one parameter, as in one process
+    for name in names:
+        local = [report[(rank, name)]["local"] for rank in (0, 1)]
+        full = report[(0, name)]["full"]
+        tensor_parallel_replicated = tensor_parallel > 1 and not name.endswith(
+            ("qkv.weight", "qkv.bias", "fc.weight", "fc.bias", "attn.proj.weight", "mlp.proj.weight"))
+        if tensor_parallel_replicated:  # embeddings, norms, the head, row-parallel biases
+            assert local == [full, full], name
+        else:
+            assert sum(local) == full and max(local) - min(local) <= report[(0, name)]["row"], name
+
+
+@pytest.mark.slow
+def test_one_seed_gives_the_same_model_and_gradients_as_one_process(mesh_report: tuple[tuple[int, int], dict]) -> None:
+    _, report = mesh_report
+    assert all(entry["same_init_as_one_process"] for entry in report.values())
+    worst = max(report.items(), key=lambda item: item[1]["grad_error"])
+    assert worst[1]["grad_error"] < 1e-5, worst
+
+
+def test_tensor_parallel_size_must_divide_the_heads() -> None:
+    check_tensor_parallel_size(n_head=12, tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="tensor_parallel_size=5 does not divide the model's 12 attention heads"):
+        check_tensor_parallel_size(n_head=12, tensor_parallel_size=5)
+
+
+def gradients_with(dropout: float, **options: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    config = gpt_config("debug", dropout=dropout)
+    model = build_gpt(config, torch.device("cpu"), SEED, **options)
+    torch.manual_seed(0)
+    loss = loss_of(model, *batch())
+    loss.backward()
+    return loss.item(), {name.replace("_checkpoint_wrapped_module.", ""): p.grad for name, p in model.named_parameters()}
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients() -> None:
+    loss, grads = gradients_with(dropout=0.1)  # recomputation must replay the same dropout masks
+    checkpointed_loss, checkpointed_grads = gradients_with(dropout=0.1, activation_checkpointing=True)
+    assert checkpointed_loss == loss
+    for name, grad in grads.items():
+        torch.testing.assert_close(checkpointed_grads[name], grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_give_the_same_loss_and_gradients() -> None:
+    """Inductor on the CPU (it needs a C++ compiler; this machine has gcc). Fused kernels round differently, and
+    compiled dropout draws from its own generator, hence no dropout here."""
+    loss, grads = gradients_with(dropout=0.0)
+    compiled_loss, compiled_grads = gradients_with(dropout=0.0, compile=True, activation_checkpointing=True)
+    assert compiled_loss == pytest.approx(loss, rel=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)

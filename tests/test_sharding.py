@@ -1,0 +1,140 @@
+"""``cohort`` under ModelParallelStrategy on 2 CPU processes (gloo): FSDP2 and tensor parallel train as one process
+does, sharded checkpoints resume exactly, consolidate, and move between strategies and world sizes."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.helpers import (
+    QUIET, REPO_ROOT, assert_weights_close, assert_weights_equal, fit, last_checkpoint, last_checkpoint_weights,
+    run_cohort,
+)
+
+pytestmark = pytest.mark.slow
+
+MODEL_PARALLEL = ["-c", str(REPO_ROOT / "configs/trainer/model_parallel_cpu.yaml")]  # dp=2, tp=1 on 2 processes
+TENSOR_PARALLEL = [*MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
+                   "--trainer.strategy.init_args.tensor_parallel_size", "2"]
+SHARDED_ON_ONE_PROCESS = [*MODEL_PARALLEL, "--trainer.devices", "1",
+                          "--trainer.strategy.init_args.data_parallel_size", "1"]
+
+
+@pytest.fixture(scope="module")
+def run_args(byte_corpus: Path) -> list[str]:
+    """4 optimizer steps of the debug model, validated after each; the schedule does not depend on max_steps,
+    so a run resumed to more steps continues the same schedule."""
+    return [
+        "--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.log_every_n_steps", "1",
+        "--model.model_name", "debug", "--model.warmup_steps", "2", "--model.lr_decay_steps", "8",
+        "--data.data_dir", str(byte_corpus), "--data.sequence_length", "64",
+        "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
+        "--data.val_samples", "16", "--trainer.limit_val_batches", "1.0", "--val_every_n_steps", "1",
+        "--trainer.max_steps", "4",
+    ]
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory: pytest.TempPathFactory, run_args: list[str]) -> Path:
+    return fit(tmp_path_factory.mktemp("one_process"), run_args)
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory: pytest.TempPathFactory, run_args: list[str]) -> Path:
+    return fit(tmp_path_factory.mktemp("fsdp2"), run_args, *MODEL_PARALLEL)
+
+
+def val_losses(run_dir: Path, version: int = 0) -> list[float]:
+    events = EventAccumulator(str(run_dir / "lightning_logs" / f"version_{version}"), size_guidance={"scalars": 0})
+    events.Reload()
+    return [event.value for event in events.Scalars("val/loss")]
+
+
+def validate(run_dir: Path, args: list[str], *extra: str) -> float:
+    result = run_cohort(["validate", *args, *QUIET, *extra], cwd=run_dir)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return float(re.search(r"val/loss\W+([0-9.]+)", result.stdout).group(1))
+
+
+def test_fsdp2_trains_as_one_process_does(one_process_run: Path, fsdp2_run: Path) -> None:
+    assert last_checkpoint(fsdp2_run).is_dir()  # sharded: one file per rank
+    assert val_losses(fsdp2_run) == pytest.approx(val_losses(one_process_run), rel=1e-4)
+    assert_weights_close(last_checkpoint_weights(one_process_run), last_checkpoint_weights(fsdp2_run), rtol=1e-4)
+
+
+def test_tensor_parallel_with_activation_checkpointing_trains_as_one_process_does(
+    tmp_path: Path, run_args: list[str], one_process_run: Path
+) -> None:
+    run = fit(tmp_path, run_args, *TENSOR_PARALLEL, "--model.activation_checkpointing", "true")
+    assert val_losses(run) == pytest.approx(val_losses(one_process_run), rel=1e-4)
+    assert_weights_close(last_checkpoint_weights(one_process_run), last_checkpoint_weights(run), rtol=1e-4)
+
+
+def test_sharded_resume_after_sigkill_is_bitwise_exact(tmp_path: Path, run_args: list[str]) -> None:
+    run = [*run_args, *MODEL_PARALLEL, "--trainer.max_steps", "6", "--checkpoint.every_n_train_steps", "3",
+           "--model.dropout", "0.1", "--data.micro_batch_size", "2"]  # 2 micro-batches per step per rank
+    straight = fit(tmp_path / "straight", run)
+    interrupted = tmp_path / "interrupted"
+    interrupted.mkdir()
+    killed = run_cohort(["fit", *run, *QUIET, "--trainer.callbacks+=tests.helpers.KillAtStep",
+                         "--trainer.callbacks.step=4", "--trainer.callbacks.micro_batch=1"], cwd=interrupted)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert torch.load(last_checkpoint(interrupted) / "meta.pt", weights_only=False)["global_step"] == 3
+    fit(interrupted, run, "--ckpt_path", "last")
+    assert_weights_equal(last_checkpoint_weights(straight), last_checkpoint_weights(interrupted))
+
+
+def test_consolidated_checkpoint_validates_alike_in_one_process(fsdp2_run: Path, run_args: list[str]) -> None:
+    consolidated = fsdp2_run / "consolidated.ckpt"
+    result = run_cohort(["consolidate", str(last_checkpoint(fsdp2_run)), str(consolidated)], cwd=fsdp2_run)
+    assert result.returncode == 0 and "at step 4" in result.stdout, result.stderr[-3000:]
+    sharded_loss = validate(fsdp2_run, run_args, *MODEL_PARALLEL, "--ckpt_path", str(last_checkpoint(fsdp2_run)))
+    single_loss = validate(fsdp2_run, run_args, "--ckpt_path", str(consolidated))
+    assert single_loss == pytest.approx(sharded_loss, rel=1e-6)
+    again = run_cohort(["consolidate", str(last_checkpoint(fsdp2_run)), str(consolidated)], cwd=fsdp2_run)
+    assert again.returncode != 0 and "already exists" in again.stderr.splitlines()[-1]
+
+
+def test_single_file_checkpoint_resumes_sharded(tmp_path: Path, run_args: list[str], one_process_run: Path) -> None:
+    """Weights and the optimizer's moments go from a one-process file into FSDP2 shards: the next steps match
+    the one-process run resumed from the same file."""
+    resumed = {}
+    for name, strategy in (("one_process", []), ("fsdp2", MODEL_PARALLEL)):
+        resumed[name] = fit(tmp_path / name, run_args, *strategy, "--trainer.max_steps", "6",
+                            "--ckpt_path", str(last_checkpoint(one_process_run)))
+    assert_weights_close(last_checkpoint_weights(resumed["one_process"]), last_checkpoint_weights(resumed["fsdp2"]),
+                         rtol=1e-4)
+
+
+def test_sharded_checkpoint_resumes_on_another_world_size(tmp_path: Path, run_args: list[str], fsdp2_run: Path) -> None:
+    """Written by 2 ranks, resumed by 2 and by 1 (torch.distributed.checkpoint reshards on load)."""
+    resumed = {}
+    for name, strategy in (("two_ranks", MODEL_PARALLEL), ("one_rank", SHARDED_ON_ONE_PROCESS)):
+        run_dir = tmp_path / name
+        shutil.copytree(fsdp2_run / "lightning_logs", run_dir / "lightning_logs")
+        resumed[name] = fit(run_dir, run_args, *strategy, "--trainer.max_steps", "6", "--ckpt_path", "last")
+    assert_weights_close(last_checkpoint_weights(resumed["two_ranks"]), last_checkpoint_weights(resumed["one_rank"]),
+                         rtol=1e-4)
+
+
+def test_sharding_mistakes_get_one_line(tmp_path: Path, run_args: list[str], fsdp2_run: Path) -> None:
+    cases = [
+        (["--trainer.strategy", "fsdp"], "fsdp needs CUDA GPUs: on CPUs use configs/trainer/model_parallel_cpu.yaml"),
+        ([*TENSOR_PARALLEL, "--trainer.devices", "3", "--trainer.strategy.init_args.tensor_parallel_size", "3"],
+         "tensor_parallel_size=3 does not divide the model's 2 attention heads"),
+        ([*MODEL_PARALLEL, "--trainer.strategy.init_args.tensor_parallel_size", "2"],
+         "data_parallel_size=2 x tensor_parallel_size=2 must equal the world size 2"),
+        ([*MODEL_PARALLEL, "--model.model_name", "small", "--ckpt_path", str(last_checkpoint(fsdp2_run))],
+         "was trained with model.model_name='debug'"),
+    ]
+    for extra, expected in cases:
+        result = run_cohort(["fit", *run_args, *QUIET, *extra], cwd=tmp_path, timeout=120)
+        last_line = result.stderr.strip().splitlines()[-1]
+        assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert last_line.startswith("cohort: error: ") and expected in last_line, last_line
+        assert not (tmp_path / "lightning_logs").exists()
