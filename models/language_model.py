@@ -13,12 +13,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
+from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
 
 from app.errors import UserError
 from datamodules.token_files import IGNORE_INDEX
 from models.gpt import GPT, GPT_CONFIGS, gpt_config
-from models.parallelize import CHECKPOINT_WRAPPER_PREFIX, build_gpt
+from models.parallelize import CHECKPOINT_WRAPPER_PREFIX, build_gpt, clip_grad_norm_
 
 # FSDP2's compute dtype for each mixed precision; the sharded float32 master weights stay float32
 FSDP_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -100,6 +101,17 @@ class GPTLanguageModel(L.LightningModule):
             compile=self.hparams.compile,
             param_dtype=FSDP_PARAM_DTYPES.get(str(trainer.precision)) if trainer is not None else None,
         )
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Lightning's clipping, except for sharded DTensor gradients (model_parallel), which it cannot combine
+        across the meshes of tensor parallelism."""
+        sharded = any(isinstance(p, DTensor) for p in self.model.parameters())
+        if gradient_clip_val is None or gradient_clip_algorithm == "value" or not sharded:
+            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        clip_grad_norm_(list(self.model.parameters()), gradient_clip_val)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Key a plain optimizer's state by parameter name, as sharded strategies do, so that a checkpoint

@@ -121,3 +121,28 @@ def local_slice(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
         return full
     # src_data_rank=None: every rank holds the same full tensor, so each just keeps its slice, no communication
     return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale all gradients together so that their global L2 norm is at most ``max_norm``; returns the norm.
+
+    torch's own version needs every gradient on one device mesh; under tensor parallelism some live on the 2-D
+    (data, tensor) mesh and the replicated ones on the data mesh only. Norms are taken per mesh, made whole
+    (a sum over the shards), then combined."""
+    grads_by_mesh: dict[object, list[torch.Tensor]] = {}
+    for param in parameters:
+        if param.grad is not None:
+            mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+            grads_by_mesh.setdefault(mesh, []).append(param.grad)
+    squares = torch.zeros((), dtype=torch.float32)
+    for grads in grads_by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares = squares.to(norm.device) + norm.float() ** 2
+    total_norm = squares.sqrt()
+    scale = min(1.0, max_norm / (total_norm.item() + 1e-6))  # one host sync per step
+    if scale < 1.0:
+        for grads in grads_by_mesh.values():
+            torch._foreach_mul_(grads, scale)
+    return total_norm

@@ -14,11 +14,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from models.gpt import GPT, GPT_CONFIGS, gpt_config
-from models.parallelize import build_gpt, check_tensor_parallel_size
+from models.parallelize import build_gpt, check_tensor_parallel_size, clip_grad_norm_
 from tests.helpers import free_port
 
 CONFIG = GPT_CONFIGS["debug"]
 SEED = 5
+MAX_NORM = 0.1
 
 
 def batch(samples: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,16 +33,19 @@ def loss_of(model: GPT, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Te
 
 def check_on_mesh(rank: int, port: int, data_parallel: int, tensor_parallel: int, report: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=data_parallel * tensor_parallel)
     try:
         mesh = init_device_mesh("cpu", (data_parallel, tensor_parallel), mesh_dim_names=("data_parallel", "tensor_parallel"))
         sharded = build_gpt(CONFIG, torch.device("cpu"), SEED, mesh)
         reference = build_gpt(CONFIG, torch.device("cpu"), SEED)
         inputs, targets = batch()
         loss_of(reference, inputs, targets).backward()
-        if data_parallel > 1:  # each data-parallel rank takes its half of the batch
-            inputs, targets = inputs.chunk(2)[rank], targets.chunk(2)[rank]
+        data_parallel_rank = mesh["data_parallel"].get_local_rank()  # each takes its part of the batch
+        inputs, targets = inputs.chunk(data_parallel)[data_parallel_rank], targets.chunk(data_parallel)[data_parallel_rank]
         loss_of(sharded, inputs, targets).backward()
+        # clipping that bites (the norm is about 1): gradients below are compared after it
+        report[(rank, "norm")] = {"sharded": clip_grad_norm_(list(sharded.parameters()), MAX_NORM).item(),
+                                  "reference": torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM).item()}
         reference_parameters = dict(reference.named_parameters())
         for name, param in sharded.named_parameters():
             local = param.to_local() if isinstance(param, DTensor) else param
@@ -58,34 +62,41 @@ def check_on_mesh(rank: int, port: int, data_parallel: int, tensor_parallel: int
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["fsdp2-dp2", "tp2"])
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2), (2, 2)], ids=["fsdp2-dp2", "tp2", "2d-dp2-tp2"])
 def mesh_report(request: pytest.FixtureRequest) -> tuple[tuple[int, int], dict]:
+    data_parallel, tensor_parallel = request.param
     report = mp.Manager().dict()
-    mp.spawn(check_on_mesh, args=(free_port(), *request.param, report), nprocs=2)
+    mp.spawn(check_on_mesh, args=(free_port(), data_parallel, tensor_parallel, report),
+             nprocs=data_parallel * tensor_parallel)
     return request.param, dict(report)
 
 
 @pytest.mark.slow
-def test_sharded_parameters_split_in_half_and_add_up_exactly(mesh_report: tuple[tuple[int, int], dict]) -> None:
+def test_sharded_parameters_split_evenly_and_add_up_exactly(mesh_report: tuple[tuple[int, int], dict]) -> None:
+    """FSDP2 splits every parameter over the data-parallel ranks; tensor parallelism splits the projections over
+    its ranks and replicates the rest (embeddings, norms, the head, row-parallel biases) within a group."""
     (data_parallel, tensor_parallel), report = mesh_report
-    names = {name for _, name in report}
+    ranks = range(data_parallel * tensor_parallel)
+    names = {name for _, name in report} - {"norm"}
     assert len(names) == len(list(GPT(CONFIG).parameters()))  # the tied head is one parameter, as in one process
+    tensor_parallel_sharded = ("qkv.weight", "qkv.bias", "fc.weight", "fc.bias", "attn.proj.weight", "mlp.proj.weight")
     for name in names:
-        local = [report[(rank, name)]["local"] for rank in (0, 1)]
+        local = [report[(rank, name)]["local"] for rank in ranks]
         full = report[(0, name)]["full"]
-        tensor_parallel_replicated = tensor_parallel > 1 and not name.endswith(
-            ("qkv.weight", "qkv.bias", "fc.weight", "fc.bias", "attn.proj.weight", "mlp.proj.weight"))
-        if tensor_parallel_replicated:  # embeddings, norms, the head, row-parallel biases
-            assert local == [full, full], name
-        else:
-            assert sum(local) == full and max(local) - min(local) <= report[(0, name)]["row"], name
+        copies = 1 if tensor_parallel == 1 or name.endswith(tensor_parallel_sharded) else tensor_parallel
+        assert sum(local) == full * copies, name
+        assert max(local) - min(local) <= report[(0, name)]["row"], name  # uneven dim-0 shards: one row apart
 
 
 @pytest.mark.slow
-def test_one_seed_gives_the_same_model_and_gradients_as_one_process(mesh_report: tuple[tuple[int, int], dict]) -> None:
+def test_one_seed_gives_the_same_model_gradients_and_clipping_as_one_process(mesh_report: tuple[tuple[int, int], dict]) -> None:
     _, report = mesh_report
-    assert all(entry["same_init_as_one_process"] for entry in report.values())
-    worst = max(report.items(), key=lambda item: item[1]["grad_error"])
+    norms = [entry for key, entry in report.items() if key[1] == "norm"]
+    assert all(norm["sharded"] == pytest.approx(norm["reference"], rel=1e-5) and norm["sharded"] > 2 * MAX_NORM
+               for norm in norms)  # so clipping scaled the gradients compared below
+    parameters = {key: entry for key, entry in report.items() if key[1] != "norm"}
+    assert all(entry["same_init_as_one_process"] for entry in parameters.values())
+    worst = max(parameters.items(), key=lambda item: item[1]["grad_error"])
     assert worst[1]["grad_error"] < 1e-5, worst
 
 

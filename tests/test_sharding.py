@@ -27,15 +27,15 @@ SHARDED_ON_ONE_PROCESS = [*MODEL_PARALLEL, "--trainer.devices", "1",
 
 @pytest.fixture(scope="module")
 def run_args(byte_corpus: Path) -> list[str]:
-    """4 optimizer steps of the debug model, validated after each; the schedule does not depend on max_steps,
-    so a run resumed to more steps continues the same schedule."""
+    """4 optimizer steps of the debug model, validated after each, with gradient clipping that bites; the
+    schedule does not depend on max_steps, so a run resumed to more steps continues the same schedule."""
     return [
         "--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.log_every_n_steps", "1",
         "--model.model_name", "debug", "--model.warmup_steps", "2", "--model.lr_decay_steps", "8",
         "--data.data_dir", str(byte_corpus), "--data.sequence_length", "64",
         "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
         "--data.val_samples", "16", "--trainer.limit_val_batches", "1.0", "--val_every_n_steps", "1",
-        "--trainer.max_steps", "4",
+        "--trainer.max_steps", "4", "--trainer.gradient_clip_val", "0.1",
     ]
 
 

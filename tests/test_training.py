@@ -42,11 +42,14 @@ def test_ddp_two_processes_match_one_process(tmp_path: Path, debug_run_args: lis
 
 
 def test_accumulation_matches_a_larger_micro_batch(tmp_path: Path, debug_run_args: list[str]) -> None:
+    """1e-4 of the largest weight: in one column of one MLP projection (a unit that barely fires, so its true
+    gradient is tiny) Adam turns the rounding difference of two summation orders into 4e-5; the median element
+    differs by 0."""
     runs = {}
     for micro in (4, 8):
         runs[micro] = fit(tmp_path / f"micro{micro}", debug_run_args, "--trainer.max_steps", "5",
                           "--data.global_batch_size", "8", "--data.micro_batch_size", str(micro))
-    assert_weights_close(last_checkpoint_weights(runs[4]), last_checkpoint_weights(runs[8]), rtol=1e-5)
+    assert_weights_close(last_checkpoint_weights(runs[4]), last_checkpoint_weights(runs[8]), rtol=1e-4)
 
 
 def test_ddp_all_reduces_gradients_once_per_optimizer_step(tmp_path: Path, debug_run_args: list[str]) -> None:
