@@ -87,13 +87,25 @@ def check_bandwidth(device: torch.device) -> Check:
                  "" if n > 1 else "one process: nothing to measure")
 
 
+def tensor_parallel_size(strategy: object) -> int:
+    """The tensor-parallel size a ModelParallelStrategy config asks for ("auto": the processes of one node)."""
+    if not str(getattr(strategy, "class_path", "")).endswith("ModelParallelStrategy"):
+        return 1
+    size = getattr(strategy.init_args, "tensor_parallel_size", "auto")
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if size == "auto" else int(size)
+
+
 def check_data(config: Namespace, rank: int, world_size: int, device: torch.device) -> list[Check]:
     """The loader's time per micro-batch against the model's compute per micro-batch on this device."""
     data = LanguageModelingDataModule(**vars(config.data))
     data.prepare_data()
     data.setup("fit")
-    accumulation = gradient_accumulation(data.global_batch_size, data.micro_batch_size, world_size)
-    sampler = GlobalBatchSampler(len(data.train_set), data.global_batch_size, data.micro_batch_size, rank, world_size, 0)
+    tensor_parallel = tensor_parallel_size(config.trainer.strategy)
+    accumulation = gradient_accumulation(data.global_batch_size, data.micro_batch_size, world_size,
+                                         tensor_parallel_size=tensor_parallel)
+    # ModelParallelStrategy's mesh is (data_parallel, tensor_parallel), row-major: a tensor-parallel group reads alike
+    sampler = GlobalBatchSampler(len(data.train_set), data.global_batch_size, data.micro_batch_size,
+                                 rank // tensor_parallel, world_size // tensor_parallel, 0)
     loader = torch.utils.data.DataLoader(data.train_set, sampler=sampler, **data.loader_options())
     batches = iter(loader)
     next(batches)  # workers start
