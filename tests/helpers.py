@@ -47,6 +47,14 @@ def fit(run_dir: Path, args: list[str], *extra: str) -> Path:
     return run_dir
 
 
+def fit_killed_mid_accumulation(run_dir: Path, args: list[str]) -> None:
+    """``cohort fit`` in a new ``run_dir``, SIGKILLed (every rank) at micro-batch 1 of optimizer step 4."""
+    run_dir.mkdir()
+    killed = run_cohort(["fit", *args, *QUIET, "--trainer.callbacks+=tests.helpers.KillAtStep",
+                         "--trainer.callbacks.step=4", "--trainer.callbacks.micro_batch=1"], cwd=run_dir)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+
+
 def last_checkpoint(run_dir: Path, version: int = 0) -> Path:
     return run_dir / "lightning_logs" / f"version_{version}" / "checkpoints" / "last.ckpt"
 

@@ -12,8 +12,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import (
-    QUIET, REPO_ROOT, assert_weights_close, assert_weights_equal, fit, last_checkpoint, last_checkpoint_weights,
-    run_cohort,
+    QUIET, REPO_ROOT, assert_weights_close, assert_weights_equal, fit, fit_killed_mid_accumulation, last_checkpoint,
+    last_checkpoint_weights, run_cohort,
 )
 
 pytestmark = pytest.mark.slow
@@ -80,10 +80,7 @@ def test_sharded_resume_after_sigkill_is_bitwise_exact(tmp_path: Path, run_args:
            "--model.dropout", "0.1", "--data.micro_batch_size", "2"]  # 2 micro-batches per step per rank
     straight = fit(tmp_path / "straight", run)
     interrupted = tmp_path / "interrupted"
-    interrupted.mkdir()
-    killed = run_cohort(["fit", *run, *QUIET, "--trainer.callbacks+=tests.helpers.KillAtStep",
-                         "--trainer.callbacks.step=4", "--trainer.callbacks.micro_batch=1"], cwd=interrupted)
-    assert killed.returncode == -9, killed.stderr[-3000:]
+    fit_killed_mid_accumulation(interrupted, run)
     assert torch.load(last_checkpoint(interrupted) / "meta.pt", weights_only=False)["global_step"] == 3
     fit(interrupted, run, "--ckpt_path", "last")
     assert_weights_equal(last_checkpoint_weights(straight), last_checkpoint_weights(interrupted))

@@ -11,7 +11,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import (
-    DDP_2, QUIET, assert_weights_close, assert_weights_equal, fit, last_checkpoint_weights, run_cohort,
+    DDP_2, QUIET, assert_weights_close, assert_weights_equal, fit, fit_killed_mid_accumulation,
+    last_checkpoint_weights, run_cohort,
 )
 
 pytestmark = pytest.mark.slow
@@ -73,10 +74,7 @@ def test_resume_after_sigkill_is_bitwise_exact(tmp_path: Path, debug_run_args: l
     straight = fit(tmp_path / "straight", run)
 
     interrupted = tmp_path / "interrupted"
-    interrupted.mkdir()
-    killed = run_cohort(["fit", *run, *QUIET, "--trainer.callbacks+=tests.helpers.KillAtStep",
-                         "--trainer.callbacks.step=4", "--trainer.callbacks.micro_batch=1"], cwd=interrupted)
-    assert killed.returncode == -9, killed.stderr[-3000:]
+    fit_killed_mid_accumulation(interrupted, run)
     checkpoint = torch.load(interrupted / "lightning_logs/version_0/checkpoints/last.ckpt", weights_only=False)
     assert checkpoint["global_step"] == 3  # the kill lost step 4's partial window and all of step 3 -> 4
     fit(interrupted, run, "--ckpt_path", "last")
