@@ -11,9 +11,9 @@ import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from lightning.pytorch.plugins import Precision
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
-from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
 
 from app.errors import UserError
@@ -106,12 +106,17 @@ class GPTLanguageModel(L.LightningModule):
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        """Lightning's clipping, except for sharded DTensor gradients (model_parallel), which it cannot combine
-        across the meshes of tensor parallelism."""
-        sharded = any(isinstance(p, DTensor) for p in self.model.parameters())
-        if gradient_clip_val is None or gradient_clip_algorithm == "value" or not sharded:
-            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        clip_grad_norm_(list(self.model.parameters()), gradient_clip_val)
+        """Clip under every strategy and precision, and log the gradient norm before clipping. Lightning's own
+        clipping refuses a fused optimizer under mixed precision (it cannot know whether the gradients are still
+        scaled) and norm clipping under FSDP (the norm must be summed over the shards)."""
+        if not gradient_clip_val:
+            return
+        unscale_gradients(self.trainer.precision_plugin, optimizer)
+        parameters = [param for group in optimizer.param_groups for param in group["params"]]
+        if gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(parameters, gradient_clip_val)
+            return
+        self.log("train/grad_norm", clip_grad_norm_(self.trainer.model, parameters, gradient_clip_val))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Key a plain optimizer's state by parameter name, as sharded strategies do, so that a checkpoint
@@ -205,14 +210,23 @@ class GPTLanguageModel(L.LightningModule):
             weight_decay_groups(self.model, self.hparams.weight_decay),
             lr=lr,
             betas=self.hparams.betas,
-            # one kernel for all parameters where torch has it; not under fp16's grad scaler, where Lightning
-            # must unscale gradients before clipping and a fused optimizer would unscale them itself
-            fused=self.device.type in ("cuda", "cpu") and self.trainer.precision != "16-mixed",
+            # one kernel for all parameters where torch has it; under fp16's grad scaler too, since
+            # configure_gradient_clipping unscales the gradients a fused optimizer would otherwise unscale itself
+            fused=self.device.type in ("cuda", "cpu"),
         )
         decay_steps = self.hparams.lr_decay_steps or self.trainer.estimated_stepping_batches
         schedule = warmup_cosine_schedule(self.hparams.warmup_steps, int(decay_steps), self.hparams.min_learning_rate_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def unscale_gradients(precision_plugin: Precision, optimizer: torch.optim.Optimizer) -> None:
+    """Under fp16's grad scaler, divide the gradients by the loss scale before they are clipped, as torch's AMP
+    recipe does. Lightning does this itself except for optimizers that unscale inside their step (fused AdamW);
+    the scaler records that it is done, so the fused step then only skips a step with inf or NaN gradients."""
+    scaler = getattr(precision_plugin, "scaler", None)  # MixedPrecision and FSDPPrecision under 16-mixed
+    if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+        scaler.unscale_(optimizer)
 
 
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

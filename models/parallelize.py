@@ -8,11 +8,13 @@ rank keeps its own slice, so one seed gives the same model under any strategy an
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -124,17 +126,28 @@ def local_slice(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Scale all gradients together so that their global L2 norm is at most ``max_norm``; returns the norm.
+def clip_grad_norm_(model: nn.Module, parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale the gradients of ``parameters`` together so that their global L2 norm is at most ``max_norm``; returns
+    the norm before clipping. ``model`` is the module as the strategy wrapped it: under FSDP (1) only the root
+    module can add up the norms of its shards; DTensor gradients (FSDP2, tensor parallel) may live on several
+    meshes; plain ones (one device, DDP) are torch's case, summed in the order given."""
+    if isinstance(model, FullyShardedDataParallel):
+        return model.clip_grad_norm_(max_norm)
+    parameters = [param for param in parameters if param.grad is not None]
+    if any(isinstance(param.grad, DTensor) for param in parameters):
+        return clip_grad_norm_across_meshes_(parameters, max_norm)
+    return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
 
-    torch's own version needs every gradient on one device mesh; under tensor parallelism some live on the 2-D
-    (data, tensor) mesh and the replicated ones on the data mesh only. Norms are taken per mesh, made whole
-    (a sum over the shards), then combined."""
+
+@torch.no_grad()
+def clip_grad_norm_across_meshes_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` for DTensor gradients. torch's own version needs every gradient on one device mesh;
+    under tensor parallelism some live on the 2-D (data, tensor) mesh and the replicated ones on the data mesh
+    only. Norms are taken per mesh, made whole (a sum over the shards), then combined."""
     grads_by_mesh: dict[object, list[torch.Tensor]] = {}
     for param in parameters:
-        if param.grad is not None:
-            mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
-            grads_by_mesh.setdefault(mesh, []).append(param.grad)
+        mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+        grads_by_mesh.setdefault(mesh, []).append(param.grad)
     squares = torch.zeros((), dtype=torch.float32)
     for grads in grads_by_mesh.values():
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)

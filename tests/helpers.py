@@ -12,11 +12,14 @@ import subprocess
 import time
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
@@ -47,12 +50,42 @@ def fit(run_dir: Path, args: list[str], *extra: str) -> Path:
     return run_dir
 
 
+def cached_fits(tmp_path_factory: pytest.TempPathFactory,
+                args_of: Callable[[str, str], list[str]]) -> Callable[[str, str], Path]:
+    """(precision, layout) -> the folder of a finished ``cohort fit`` with ``args_of(precision, layout)``, run the
+    first time it is asked for, so that the tests of a module share their runs."""
+    runs: dict[tuple[str, str], Path] = {}
+
+    def get(precision: str, layout: str) -> Path:
+        if (precision, layout) not in runs:
+            run_dir = tmp_path_factory.mktemp(f"{precision}-{layout}".replace(" ", "_"))
+            runs[precision, layout] = fit(run_dir, args_of(precision, layout))
+        return runs[precision, layout]
+
+    return get
+
+
 def fit_killed_mid_accumulation(run_dir: Path, args: list[str]) -> None:
     """``cohort fit`` in a new ``run_dir``, SIGKILLed (every rank) at micro-batch 1 of optimizer step 4."""
     run_dir.mkdir()
     killed = run_cohort(["fit", *args, *QUIET, "--trainer.callbacks+=tests.helpers.KillAtStep",
                          "--trainer.callbacks.step=4", "--trainer.callbacks.micro_batch=1"], cwd=run_dir)
     assert killed.returncode == -9, killed.stderr[-3000:]
+
+
+def shrunk(byte_corpus: Path, steps: int) -> list[str]:
+    """Any recipe made small: the debug model on the test corpus, logging every step, validated once at the end."""
+    return ["--model.model_name", "debug", "--data.sequence_length", "64", "--data.vocab_size", "256",
+            "--data.data_dir", str(byte_corpus), "--data.num_workers", "0", "--model.warmup_steps", "2",
+            "--model.max_new_tokens", "5", "--trainer.max_steps", str(steps), "--val_every_n_steps", str(steps),
+            "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "1"]
+
+
+def scalars(run_dir: Path, tag: str, version: int = 0) -> list[float]:
+    """The values a run logged to TensorBoard under ``tag``, in order."""
+    events = EventAccumulator(str(run_dir / "lightning_logs" / f"version_{version}"), size_guidance={"scalars": 0})
+    events.Reload()
+    return [event.value for event in events.Scalars(tag)]
 
 
 def last_checkpoint(run_dir: Path, version: int = 0) -> Path:

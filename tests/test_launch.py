@@ -28,8 +28,10 @@ def launch(args: list[str], cwd: Path, prefix: list[str] | None = None, **env: s
 
 
 def two_node_fit_args(debug_run_args: list[str], out_dir: Path) -> list[str]:
-    return ["fit", *debug_run_args, *QUIET, "--trainer.strategy", "ddp", "--trainer.num_nodes", "2",
-            "--trainer.devices", "1", "--trainer.max_steps", "3", "--data.global_batch_size", "4",
+    """The multi-node GPU preset on CPUs: one process per node, keeping its strategy, bf16-mixed and clipping."""
+    return ["fit", *debug_run_args, *QUIET, "-c", str(REPO_ROOT / "configs/trainer/multinode_gpu_bf16.yaml"),
+            "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.gradient_clip_val", "0.1",
+            "--trainer.max_steps", "3", "--data.global_batch_size", "4",
             "--data.micro_batch_size", "2", "--trainer.callbacks+=tests.helpers.RecordWorldSize",
             f"--trainer.callbacks.out_dir={out_dir}"]
 
@@ -53,6 +55,7 @@ def assert_two_nodes_trained(nodes: list[subprocess.Popen], out_dir: Path) -> No
     assert sorted(s["node_rank"] for s in seen) == [0, 1]
     checkpoints = list(out_dir.glob("node*/lightning_logs/version_0/checkpoints/last.ckpt"))
     assert len(checkpoints) == 1  # written by global rank 0 only
+    assert "precision: bf16-mixed" in (checkpoints[0].parent.parent / "config.yaml").read_text()
 
 
 def test_dry_run_prints_the_torchrun_command(tmp_path: Path) -> None:

@@ -11,9 +11,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
-from models.gpt import GPT, GPT_CONFIGS, gpt_config
+from models.gpt import GPT, GPT_CONFIGS, Block, gpt_config
 from models.parallelize import build_gpt, check_tensor_parallel_size, clip_grad_norm_
 from tests.helpers import free_port
 
@@ -44,7 +46,7 @@ def check_on_mesh(rank: int, port: int, data_parallel: int, tensor_parallel: int
         inputs, targets = inputs.chunk(data_parallel)[data_parallel_rank], targets.chunk(data_parallel)[data_parallel_rank]
         loss_of(sharded, inputs, targets).backward()
         # clipping that bites (the norm is about 1): gradients below are compared after it
-        report[(rank, "norm")] = {"sharded": clip_grad_norm_(list(sharded.parameters()), MAX_NORM).item(),
+        report[(rank, "norm")] = {"sharded": clip_grad_norm_(sharded, sharded.parameters(), MAX_NORM).item(),
                                   "reference": torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM).item()}
         reference_parameters = dict(reference.named_parameters())
         for name, param in sharded.named_parameters():
@@ -98,6 +100,33 @@ def test_one_seed_gives_the_same_model_gradients_and_clipping_as_one_process(mes
     assert all(entry["same_init_as_one_process"] for entry in parameters.values())
     worst = max(parameters.items(), key=lambda item: item[1]["grad_error"])
     assert worst[1]["grad_error"] < 1e-5, worst
+
+
+def clip_under_fsdp1(rank: int, port: int, report: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        sharded = FullyShardedDataParallel(build_gpt(CONFIG, torch.device("cpu"), SEED), device_id=torch.device("cpu"),
+                                           auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)
+        reference = build_gpt(CONFIG, torch.device("cpu"), SEED)
+        inputs, targets = batch()
+        loss_of(reference, inputs, targets).backward()
+        loss_of(sharded, inputs.chunk(2)[rank], targets.chunk(2)[rank]).backward()
+        report[rank] = {"sharded": clip_grad_norm_(sharded, sharded.parameters(), MAX_NORM).item(),
+                        "reference": torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM).item()}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_clipping_under_fsdp1_uses_the_norm_of_the_whole_model() -> None:
+    """FSDPStrategy (GPU only in Lightning) leaves norm clipping to us: each rank holds a shard of every gradient,
+    so the norm must be summed over ranks by the FSDP root, not taken from the local shard."""
+    report = mp.Manager().dict()
+    mp.spawn(clip_under_fsdp1, args=(free_port(), report), nprocs=2)
+    for rank in (0, 1):
+        assert report[rank]["sharded"] == pytest.approx(report[rank]["reference"], rel=1e-5)
+        assert report[rank]["sharded"] > 2 * MAX_NORM
 
 
 def test_tensor_parallel_size_must_divide_the_heads() -> None:

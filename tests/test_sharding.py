@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import (
     QUIET, REPO_ROOT, assert_weights_close, assert_weights_equal, fit, fit_killed_mid_accumulation, last_checkpoint,
-    last_checkpoint_weights, run_cohort,
+    last_checkpoint_weights, run_cohort, scalars,
 )
 
 pytestmark = pytest.mark.slow
@@ -49,12 +48,6 @@ def fsdp2_run(tmp_path_factory: pytest.TempPathFactory, run_args: list[str]) -> 
     return fit(tmp_path_factory.mktemp("fsdp2"), run_args, *MODEL_PARALLEL)
 
 
-def val_losses(run_dir: Path, version: int = 0) -> list[float]:
-    events = EventAccumulator(str(run_dir / "lightning_logs" / f"version_{version}"), size_guidance={"scalars": 0})
-    events.Reload()
-    return [event.value for event in events.Scalars("val/loss")]
-
-
 def validate(run_dir: Path, args: list[str], *extra: str) -> float:
     result = run_cohort(["validate", *args, *QUIET, *extra], cwd=run_dir)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -63,7 +56,7 @@ def validate(run_dir: Path, args: list[str], *extra: str) -> float:
 
 def test_fsdp2_trains_as_one_process_does(one_process_run: Path, fsdp2_run: Path) -> None:
     assert last_checkpoint(fsdp2_run).is_dir()  # sharded: one file per rank
-    assert val_losses(fsdp2_run) == pytest.approx(val_losses(one_process_run), rel=1e-4)
+    assert scalars(fsdp2_run, "val/loss") == pytest.approx(scalars(one_process_run, "val/loss"), rel=1e-4)
     assert_weights_close(last_checkpoint_weights(one_process_run), last_checkpoint_weights(fsdp2_run), rtol=1e-4)
 
 
@@ -71,7 +64,7 @@ def test_tensor_parallel_with_activation_checkpointing_trains_as_one_process_doe
     tmp_path: Path, run_args: list[str], one_process_run: Path
 ) -> None:
     run = fit(tmp_path, run_args, *TENSOR_PARALLEL, "--model.activation_checkpointing", "true")
-    assert val_losses(run) == pytest.approx(val_losses(one_process_run), rel=1e-4)
+    assert scalars(run, "val/loss") == pytest.approx(scalars(one_process_run, "val/loss"), rel=1e-4)
     assert_weights_close(last_checkpoint_weights(one_process_run), last_checkpoint_weights(run), rtol=1e-4)
 
 

@@ -1,0 +1,154 @@
+"""Every precision under every CPU strategy, and every shipped preset and recipe, trained for real with clipping.
+
+The GPU presets run with their accelerator and device count switched to CPU equivalents (gloo), keeping their
+strategy, precision, clipping and accumulation; the model is the debug one. ``16-mixed`` on CPU runs as
+``bf16-mixed``, as the CLI announces. fp16 with a grad scaler exists on GPUs only through the CLI, so its path
+(unscale, then clip, then the fused step) is checked in one process here against torch's own AMP recipe.
+Not run here: ``fsdp_gpu_bf16.yaml`` (Lightning refuses FSDPStrategy without CUDA; its clipping is checked by
+``tests/test_parallelize.py`` on FSDP over gloo and by ``tests/test_gpu.py``) and ``multinode_gpu_bf16.yaml``
+(run by ``tests/test_launch.py`` with two torchrun node agents).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from datamodules.language_modeling import LanguageModelingDataModule
+from models.language_model import GPTLanguageModel, weight_decay_groups
+from tests.helpers import REPO_ROOT, cached_fits, fit, scalars, shrunk
+
+pytestmark = pytest.mark.slow
+
+CONFIGS = REPO_ROOT / "configs"
+QUICKSTART = ["-c", str(CONFIGS / "quickstart.yaml")]
+STEPS = 6
+CLIP = 0.1  # below the debug model's gradient norm in these steps, so clipping bites at every step
+
+# a trainer preset composed after a recipe, as the README does; GPU presets with CPU devices of the same strategy
+CPU_LAYOUTS = {
+    "1 process": ["-c", str(CONFIGS / "trainer/cpu.yaml")],
+    "ddp-2": ["-c", str(CONFIGS / "trainer/ddp_cpu.yaml")],
+    "model_parallel-2": ["-c", str(CONFIGS / "trainer/model_parallel_cpu.yaml")],
+}
+ON_CPU = ["--trainer.accelerator", "cpu"]
+GPU_PRESETS_ON_CPU = {
+    "1 process": ["-c", str(CONFIGS / "trainer/gpu_bf16.yaml"), *ON_CPU],
+    "ddp-2": ["-c", str(CONFIGS / "trainer/ddp_gpu_bf16.yaml"), *ON_CPU, "--trainer.devices", "2"],
+    "model_parallel-2": ["-c", str(CONFIGS / "trainer/model_parallel_gpu_bf16.yaml"), *ON_CPU,
+                         "--trainer.devices", "2", "--trainer.strategy.init_args.data_parallel_size", "2"],
+}
+PRECISIONS = ["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
+
+
+def run_args(precision: str, layout: str) -> list[str]:
+    """The shipped preset where one ships this precision (32-true: the CPU presets; bf16-mixed: the GPU ones)."""
+    if precision == "bf16-mixed":
+        return [*QUICKSTART, *GPU_PRESETS_ON_CPU[layout]]
+    return [*QUICKSTART, *CPU_LAYOUTS[layout], "--trainer.precision", precision]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) -> Callable[[str, str], Path]:
+    return cached_fits(tmp_path_factory, lambda precision, layout: [
+        *run_args(precision, layout), *shrunk(byte_corpus, STEPS), "--trainer.gradient_clip_val", str(CLIP)])
+
+
+@pytest.mark.parametrize("layout", CPU_LAYOUTS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_each_precision_trains_with_clipping_that_bites(trained: Callable[[str, str], Path], precision: str,
+                                                        layout: str) -> None:
+    run_dir = trained(precision, layout)
+    losses, norms = scalars(run_dir, "train/loss"), scalars(run_dir, "train/grad_norm")
+    assert len(losses) == len(norms) == STEPS
+    assert all(torch.isfinite(torch.tensor(losses + norms)))
+    assert min(norms) > CLIP, norms
+    assert losses[-1] < losses[0] - 0.3, losses
+
+
+@pytest.mark.parametrize("layout", ["ddp-2", "model_parallel-2"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_two_processes_train_as_one_does_in_each_precision(trained: Callable[[str, str], Path], precision: str,
+                                                           layout: str) -> None:
+    """Same global batch, so the same training: the global gradient norm of every step (which depends on every
+    earlier update) agrees with one process's, so gradients are averaged over ranks and clipped by the global
+    norm. (Validation is not compared: limit_val_batches counts batches per rank.)"""
+    one, two = scalars(trained(precision, "1 process"), "train/grad_norm"), scalars(trained(precision, layout), "train/grad_norm")
+    # seen here: at most 3e-7 in float32; 5e-3 (one bfloat16 rounding step) under bf16
+    tolerance = 1e-5 if precision == "32-true" else 2e-2
+    assert two == pytest.approx(one, rel=tolerance)
+
+
+def test_16_mixed_on_cpu_says_it_runs_as_bf16(trained: Callable[[str, str], Path]) -> None:
+    hparams = (trained("16-mixed", "1 process") / "lightning_logs/version_0/config.yaml").read_text()
+    assert "precision: bf16-mixed" in hparams
+
+
+@pytest.mark.parametrize("recipe, preset", [
+    ("gpt2/pretrain.yaml", GPU_PRESETS_ON_CPU["ddp-2"]),
+    ("gpt-6.7b/pretrain.yaml", GPU_PRESETS_ON_CPU["model_parallel-2"]),
+], ids=["gpt2-ddp", "gpt-6.7b-model_parallel"])
+def test_gpu_recipes_run_two_steps_with_their_preset(tmp_path: Path, byte_corpus: Path, recipe: str,
+                                                     preset: list[str]) -> None:
+    """The README's GPU commands on CPU: the recipe's clipping, accumulation (32 and 128 micro-batches per rank
+    per step), activation checkpointing and compile are kept."""
+    fit(tmp_path, ["-c", str(CONFIGS / recipe), *preset, *shrunk(byte_corpus, 2)])
+    assert all(torch.isfinite(torch.tensor(scalars(tmp_path, "train/loss") + scalars(tmp_path, "val/loss"))))
+    assert len(scalars(tmp_path, "train/grad_norm")) == 2
+
+
+class RecordBatchesAndNorms(Callback):
+    def __init__(self) -> None:
+        self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.norms: list[float] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.batches.append(batch)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.norms.append(trainer.callback_metrics["train/grad_norm"].item())
+
+
+def test_fp16_grad_scaler_with_fused_adamw_matches_torchs_amp_recipe(byte_corpus: Path, tmp_path: Path) -> None:
+    """The GPU's 16-mixed path, on CPU: Lightning's grad scaler leaves a fused optimizer's gradients scaled, so
+    configure_gradient_clipping unscales them; the norm it clips and logs must be the true one, and the weights
+    those of the recipe (scale, backward, unscale_, clip, step, update) written by hand."""
+    steps, scale, lr = 3, 2.0**12, 1e-3
+    hyperparameters = {"model_name": "debug", "vocab_size": 256, "learning_rate": lr, "warmup_steps": 1,
+                       "min_learning_rate_ratio": 1.0}  # a constant learning rate, as the hand-written loop has
+    module, reference = GPTLanguageModel(**hyperparameters), GPTLanguageModel(**hyperparameters)
+    reference.configure_model()  # the same seed, so the same initial weights as the trained module's
+    record = RecordBatchesAndNorms()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, gradient_clip_val=CLIP, logger=False,
+                        plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=scale))],
+                        callbacks=[record], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=0,
+                        default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=LanguageModelingDataModule(
+        data_dir=str(byte_corpus), vocab_size=256, sequence_length=32, global_batch_size=4, micro_batch_size=4))
+
+    optimizer = torch.optim.AdamW(weight_decay_groups(reference.model, 0.1), lr=lr, betas=(0.9, 0.95), fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    reference_norms = []
+    for inputs, targets in record.batches:
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            loss = F.cross_entropy(reference.model(inputs).flatten(0, 1), targets.flatten())
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        reference_norms.append(torch.nn.utils.clip_grad_norm_(reference.model.parameters(), CLIP).item())
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    assert len(record.norms) == steps and min(record.norms) > CLIP
+    assert record.norms == pytest.approx(reference_norms, rel=1e-6)
+    for name, weight in module.model.state_dict().items():
+        torch.testing.assert_close(weight, reference.model.state_dict()[name], rtol=1e-6, atol=1e-7, msg=name)
