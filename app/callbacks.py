@@ -1,15 +1,13 @@
-"""Callbacks every run gets: per-rank seeding, checkpoints that are never half-written and kept at the end, text."""
+"""Callbacks every run gets: per-rank seeding and generated text (checkpoints: app/checkpoints.py)."""
 
 from __future__ import annotations
 
 import os
-import shutil
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 
 from datamodules.language_modeling import data_parallel_rank_and_size
 from datamodules.samplers import derive_seed
@@ -54,50 +52,3 @@ class PrintPredictions(Callback):
     def on_predict_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                              batch_idx: int, dataloader_idx: int = 0) -> None:
         print(f"--- prompt {batch_idx} (rank {trainer.global_rank}) ---\n{outputs['prompt']}{outputs['completion']}")
-
-
-class RunCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint that never leaves a half-written checkpoint in place and that also writes ``last.ckpt``
-    when training ends between two periodic saves, so the final weights are never lost (Lightning's own only
-    does so when nothing was saved at all).
-
-    Every checkpoint, a single file or a sharded folder (torch.distributed.checkpoint), is written next to its
-    target as ``NAME.partial`` by all ranks, then moved into place by rank 0: a run killed mid-write keeps the
-    previous checkpoint.
-    """
-
-    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-        partial = Path(f"{filepath}.partial")
-        if trainer.is_global_zero:
-            remove_path(partial)  # left by a run killed while writing
-        trainer.strategy.barrier("RunCheckpoint.partial")
-        super()._save_checkpoint(trainer, str(partial))  # returns once every rank has written its part
-        if trainer.is_global_zero:
-            replace_path(partial, Path(filepath))
-        trainer.strategy.barrier("RunCheckpoint.replace")
-        self._last_checkpoint_saved = filepath
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-
-
-def replace_path(source: Path, target: Path) -> None:
-    """Move ``source`` to ``target``: atomically for two files; a folder on either side is renamed aside first,
-    so a crash between the two renames leaves the previous checkpoint as ``NAME.old``."""
-    if not target.exists() or (source.is_file() and target.is_file()):
-        os.replace(source, target)
-        return
-    previous = target.with_name(f"{target.name}.old")
-    remove_path(previous)
-    os.replace(target, previous)
-    os.replace(source, target)
-    remove_path(previous)
-
-
-def remove_path(path: Path) -> None:
-    """Delete a file or a folder, if there is one."""
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()

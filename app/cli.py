@@ -26,11 +26,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from app import comm, consolidate
-from app.callbacks import PerRankSeed, PrintPredictions, RunCheckpoint
+from app.callbacks import PerRankSeed, PrintPredictions
+from app.checkpoints import RunCheckpoint, check_checkpoint, find_last_checkpoint
 from app.errors import UserError
 from app.monitoring import RankMonitor, ReplicaDivergenceError
 from app.preemption import PreemptionCheckpoint
-from app.run_plan import apply_batch_plan, check_checkpoint, check_strategy, find_last_checkpoint, resolve_precision
+from app.run_plan import apply_batch_plan, check_strategy, resolve_precision
 from datamodules.language_modeling import LanguageModelingDataModule
 from models.language_model import GPTLanguageModel
 
@@ -92,10 +93,12 @@ class CohortCLI(LightningCLI):
         accelerator = trainer.accelerator if isinstance(trainer.accelerator, str) else "custom"
         check_strategy(trainer.strategy, accelerator)
         trainer.precision = resolve_precision(trainer.precision, accelerator)
+        if config.weights_only is None:  # checkpoints are data: refuse a pickle that asks for code, whatever torch's default
+            config.weights_only = True
         if config.ckpt_path == "last":
             config.ckpt_path = self._resume_last(trainer)
         if config.ckpt_path not in (None, "last"):
-            check_checkpoint(Path(config.ckpt_path), config.model)
+            check_checkpoint(Path(config.ckpt_path), config.model, config.weights_only)
 
     def _resume_last(self, trainer_config: Namespace) -> str | None:
         """Resolve ``--ckpt_path last`` to the newest run's last.ckpt and log into that run's folder again."""

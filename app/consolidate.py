@@ -20,16 +20,17 @@ import torch
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
 
 from app.errors import UserError
-from app.run_plan import META_FILE
+from app.checkpoints import META_FILE, is_sharded_checkpoint, read_checkpoint
 
 
 def consolidate(folder: Path, output: Path) -> dict[str, Any]:
     """Write the sharded checkpoint ``folder`` as the single file ``output``; returns the checkpoint."""
-    if not (folder / ".metadata").is_file() or not (folder / META_FILE).is_file():
+    if not is_sharded_checkpoint(folder):
         raise UserError(f"{folder} is not a sharded checkpoint folder (it needs .metadata and {META_FILE}): pass the "
                         "folder the fsdp or model_parallel strategy wrote, e.g. lightning_logs/version_0/checkpoints/last.ckpt")
     if output.exists():
         raise UserError(f"{output} already exists: remove it or name another output file")
+    read_checkpoint(folder / META_FILE)  # refuses a meta.pt whose pickle asks for code, before Lightning reads it
     checkpoint = _load_distributed_checkpoint(folder)  # shards and meta.pt, as full tensors
     # ModelParallelStrategy saves the weights as "state_dict", FSDPStrategy as "model"; the optimizers as
     # optimizer_0, optimizer_1, ... where a single-file checkpoint has the list "optimizer_states"

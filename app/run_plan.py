@@ -1,13 +1,9 @@
-"""Checks and derived settings that need the whole config: batch arithmetic, precision, where to resume from.
+"""Checks and derived settings that need the whole config: batch arithmetic, precision, strategy.
 
 All batch-size arithmetic lives here: global = micro x devices x nodes x accumulation.
 """
 
 from __future__ import annotations
-
-import os
-import zipfile
-from pathlib import Path
 
 import lightning as L
 import torch
@@ -21,7 +17,6 @@ from models.language_model import GPTLanguageModel
 from models.parallelize import check_tensor_parallel_size
 
 PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
-META_FILE = "meta.pt"  # what Lightning writes beside the shards: loop state, hyperparameters, callbacks
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
@@ -135,37 +130,3 @@ def resolve_precision(precision: str | int | None, accelerator: str) -> str:
                        "(bfloat16 autocast, no grad scaler)")
         return "bf16-mixed"
     return requested
-
-
-def find_last_checkpoint(log_root: Path) -> Path | None:
-    """The newest ``version_*/checkpoints/last.ckpt`` under a TensorBoard log root."""
-    candidates = list(log_root.glob("version_*/checkpoints/last.ckpt"))
-    return max(candidates, key=lambda path: path.stat().st_mtime) if candidates else None
-
-
-def check_checkpoint(path: Path, model_config: Namespace) -> None:
-    """A UserError, before anything starts, for a checkpoint that is missing, broken, or of another model.
-
-    A checkpoint is one file, or a folder of shards (torch.distributed.checkpoint) whose ``meta.pt`` holds
-    everything but the weights and optimizer states."""
-    if path.is_dir():
-        if not (path / ".metadata").is_file() or not (path / META_FILE).is_file():
-            raise UserError(f"checkpoint folder {path} is not a complete sharded checkpoint (no .metadata or "
-                            f"{META_FILE}): use another one")
-        hyperparameters_file = path / META_FILE
-    elif not path.is_file():
-        raise UserError(f"checkpoint {path} does not exist: pass a .ckpt file or folder, or --ckpt_path last")
-    else:
-        hyperparameters_file = path
-    if not os.access(hyperparameters_file, os.R_OK):
-        raise UserError(f"checkpoint {hyperparameters_file} is not readable: fix its permissions")
-    if not zipfile.is_zipfile(hyperparameters_file):
-        raise UserError(f"checkpoint {hyperparameters_file} is not a torch checkpoint (truncated or another format): "
-                        "use another one")
-    saved = torch.load(hyperparameters_file, map_location="cpu", mmap=True, weights_only=False).get("hyper_parameters", {})
-    for name in ("model_name", "vocab_size"):  # what decides the shapes of the weights
-        if name in saved and saved[name] != model_config[name]:
-            raise UserError(
-                f"checkpoint {path} was trained with model.{name}={saved[name]!r} but the config says "
-                f"{model_config[name]!r}: use that run's config.yaml, or another checkpoint"
-            )

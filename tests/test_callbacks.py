@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import torch
 
-from app.callbacks import PerRankSeed, replace_path
+from app.callbacks import PerRankSeed
+from app.checkpoints import replace_path
 
 
 def draw_after_seeding(rank: int, step: int, batch_idx: int) -> torch.Tensor:

@@ -1,0 +1,133 @@
+"""Checkpoints: writing them so that a crash never leaves a half-written one in place, finding the newest, and
+reading them as data.
+
+A checkpoint is one file (one process, DDP) or a folder of shards (torch.distributed.checkpoint, under fsdp and
+model_parallel) whose ``meta.pt`` holds everything but the weights and optimizer states. Every read goes through
+torch's ``weights_only`` unpickler, which builds only tensors, containers and plain values: a file whose pickle
+would import or call anything else is refused with the name of what it asked for, and nothing of it runs.
+Cohort's own checkpoints need nothing beyond that unpickler's defaults. ``--weights_only false`` on the command
+line is the documented escape hatch for a trusted file of another kind; it is off by default.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import shutil
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from jsonargparse import Namespace
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from app.errors import UserError
+
+META_FILE = "meta.pt"  # what Lightning writes beside the shards: loop state, hyperparameters, callbacks
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint that never leaves a half-written checkpoint in place and that also writes ``last.ckpt``
+    when training ends between two periodic saves, so the final weights are never lost (Lightning's own only
+    does so when nothing was saved at all).
+
+    Every checkpoint, a single file or a sharded folder, is written next to its target as ``NAME.partial`` by all
+    ranks, then moved into place by rank 0: a run killed mid-write keeps the previous checkpoint.
+    """
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        partial = Path(f"{filepath}.partial")
+        if trainer.is_global_zero:
+            remove_path(partial)  # left by a run killed while writing
+        trainer.strategy.barrier("RunCheckpoint.partial")
+        super()._save_checkpoint(trainer, str(partial))  # returns once every rank has written its part
+        if trainer.is_global_zero:
+            replace_path(partial, Path(filepath))
+        trainer.strategy.barrier("RunCheckpoint.replace")
+        self._last_checkpoint_saved = filepath
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+def replace_path(source: Path, target: Path) -> None:
+    """Move ``source`` to ``target``: atomically for two files; a folder on either side is renamed aside first,
+    so a crash between the two renames leaves the previous checkpoint as ``NAME.old``."""
+    if not target.exists() or (source.is_file() and target.is_file()):
+        os.replace(source, target)
+        return
+    previous = target.with_name(f"{target.name}.old")
+    remove_path(previous)
+    os.replace(target, previous)
+    os.replace(source, target)
+    remove_path(previous)
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file or a folder, if there is one."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def find_last_checkpoint(log_root: Path) -> Path | None:
+    """The newest ``version_*/checkpoints/last.ckpt`` under a TensorBoard log root."""
+    candidates = list(log_root.glob("version_*/checkpoints/last.ckpt"))
+    return max(candidates, key=lambda path: path.stat().st_mtime) if candidates else None
+
+
+def is_sharded_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` is a complete sharded checkpoint: the shards' index and Lightning's ``meta.pt``."""
+    return (folder / ".metadata").is_file() and (folder / META_FILE).is_file()
+
+
+def read_checkpoint(path: Path, weights_only: bool = True) -> dict[str, Any]:
+    """A checkpoint file (or a sharded folder's ``meta.pt``) read as data; a UserError for anything else: missing,
+    unreadable, not a torch file, a pickle that asks for code, or a torch file that is not a Lightning checkpoint.
+    ``weights_only=False`` (the user's ``--weights_only false``) unpickles anything: for trusted files only."""
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist: pass a .ckpt file or folder, or --ckpt_path last")
+    if not os.access(path, os.R_OK):
+        raise UserError(f"checkpoint {path} is not readable: fix its permissions")
+    if not zipfile.is_zipfile(path):
+        raise UserError(f"checkpoint {path} is not a torch checkpoint (truncated or another format): use another one")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL ([\w.]+)", str(error))  # torch names the global the pickle asked for
+        what = f"'{found.group(1)}'" if found else "a type torch's safe loader does not allow"
+        raise UserError(f"checkpoint {path} asks to run code ({what}) when loaded, so it was not loaded: Cohort reads "
+                        "checkpoints as data only; use one written by cohort (fit, validate and predict "
+                        "take --weights_only false for a file you trust completely)") from None
+    if not isinstance(checkpoint, dict) or "pytorch-lightning_version" not in checkpoint:
+        raise UserError(f"{path} is {describe(checkpoint)}, not a Lightning checkpoint: pass a checkpoint written by "
+                        "cohort fit (lightning_logs/version_N/checkpoints/last.ckpt)")
+    return checkpoint
+
+
+def describe(content: object) -> str:
+    """A few words on what a torch file that is not a Lightning checkpoint holds."""
+    if isinstance(content, dict) and content and all(isinstance(value, torch.Tensor) for value in content.values()):
+        return f"a bare state dict of {len(content)} tensors (weights only, no training state)"
+    if isinstance(content, dict):
+        return f"a dict with keys {sorted(map(str, content))[:5]}"
+    return f"a {type(content).__name__}"
+
+
+def check_checkpoint(path: Path, model_config: Namespace, weights_only: bool = True) -> None:
+    """A UserError, before anything starts, for a checkpoint that is missing, broken, unsafe, or of another model."""
+    if path.is_dir() and not is_sharded_checkpoint(path):
+        raise UserError(f"checkpoint folder {path} is not a complete sharded checkpoint (no .metadata or "
+                        f"{META_FILE}): use another one")
+    saved = read_checkpoint(path / META_FILE if path.is_dir() else path, weights_only).get("hyper_parameters", {})
+    for name in ("model_name", "vocab_size"):  # what decides the shapes of the weights
+        if name in saved and saved[name] != model_config[name]:
+            raise UserError(
+                f"checkpoint {path} was trained with model.{name}={saved[name]!r} but the config says "
+                f"{model_config[name]!r}: use that run's config.yaml, or another checkpoint"
+            )

@@ -1,0 +1,80 @@
+"""Checkpoints are data: a pickle that asks for code is refused by fit, validate, predict and consolidate before
+any of it runs, and a torch file that is not a Lightning checkpoint is named for what it is. In-process: the
+one-line plumbing itself is proven by tests/test_cli_errors.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from app.cli import main
+
+
+class CreatesAFile:
+    """What a hostile checkpoint holds: an object whose unpickling calls something, here ``open(path, "w")``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return open, (str(self.path), "w")
+
+
+def one_line_error(args: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setattr(sys, "argv", ["cohort"])
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    message = str(exit_info.value.code)
+    assert message.startswith("cohort: error: ") and "\n" not in message, message
+    return message
+
+
+@pytest.fixture
+def hostile_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
+    """A Lightning-looking checkpoint file whose loading would create ``marker``."""
+    marker = tmp_path / "code-ran"
+    path = tmp_path / "hostile.ckpt"
+    torch.save({"pytorch-lightning_version": "2.6.0", "state_dict": {}, "payload": CreatesAFile(marker)}, path)
+    return path, marker
+
+
+@pytest.mark.parametrize("command", ["fit", "validate", "predict"])
+def test_a_checkpoint_whose_pickle_runs_code_is_refused(command: str, hostile_checkpoint: tuple[Path, Path],
+                                                        debug_run_args: list[str], tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    path, marker = hostile_checkpoint
+    monkeypatch.chdir(tmp_path)
+    message = one_line_error([command, *debug_run_args, "--ckpt_path", str(path)], monkeypatch)
+    assert f"checkpoint {path} asks to run code (" in message and ".open')" in message  # io.open or builtins.open
+    assert not marker.exists() and not (tmp_path / "lightning_logs").exists()
+
+
+def test_consolidate_refuses_a_sharded_folder_whose_meta_runs_code(hostile_checkpoint: tuple[Path, Path],
+                                                                  tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, marker = hostile_checkpoint
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(b"")
+    path.rename(folder / "meta.pt")
+    message = one_line_error(["consolidate", str(folder)], monkeypatch)
+    assert "meta.pt asks to run code (" in message and ".open')" in message
+    assert not marker.exists() and not (tmp_path / "last.consolidated.ckpt").exists()
+
+
+@pytest.mark.parametrize("content, described", [
+    ({"wte.weight": torch.zeros(2, 2), "ln.bias": torch.zeros(2)}, "is a bare state dict of 2 tensors (weights only, no training state)"),
+    ({"epoch": 3, "model": [1, 2]}, "is a dict with keys ['epoch', 'model']"),
+    ([torch.zeros(1)], "is a list"),
+], ids=["state-dict", "dict", "list"])
+def test_a_torch_file_that_is_not_a_lightning_checkpoint_is_named(content: object, described: str, tmp_path: Path,
+                                                                  debug_run_args: list[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "weights.pt"
+    torch.save(content, path)
+    monkeypatch.chdir(tmp_path)
+    message = one_line_error(["validate", *debug_run_args, "--ckpt_path", str(path)], monkeypatch)
+    assert f"{path} {described}, not a Lightning checkpoint" in message
