@@ -87,7 +87,10 @@ class LanguageModelingDataModule(L.LightningDataModule):
             sequence_length: tokens per sample (at most the model's block_size).
             global_batch_size: samples per optimizer step, over all ranks and accumulation steps.
             micro_batch_size: samples per forward/backward on one device.
-            val_samples: validate on the first N windows of val.bin only (the same N at any world size).
+            val_samples: validate on N windows spread evenly over val.bin (window i * len // N), the same windows
+                at any world size. An int trainer.limit_val_batches spreads its windows the same way: limit x
+                micro_batch_size x data-parallel size of them, a total that grows with the world size because
+                Lightning counts that limit per rank.
             num_workers: DataLoader worker processes per rank.
             pin_memory: page-locked host batches for faster copies to GPUs.
             prompts: texts that ``predict`` continues (byte-level vocabulary).
@@ -149,13 +152,31 @@ class LanguageModelingDataModule(L.LightningDataModule):
         return ResumableDataLoader(self.train_set, sampler=sampler, **self.loader_options())
 
     def val_dataloader(self) -> DataLoader:
-        assert self.val_set is not None
-        num_samples = min(len(self.val_set), self.val_samples or len(self.val_set))
-        sampler = EvenShardSampler(num_samples, *data_parallel_rank_and_size(self.trainer))
-        return DataLoader(self.val_set, sampler=sampler, **self.loader_options())
+        return self.evaluation_dataloader("limit_val_batches", self.trainer.limit_val_batches)
 
     def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
+        return self.evaluation_dataloader("limit_test_batches", self.trainer.limit_test_batches)
+
+    def evaluation_dataloader(self, limit_name: str, limit_batches: int | float) -> DataLoader:
+        """The val.bin windows that validation (or test) reads, spread evenly over the whole file."""
+        assert self.val_set is not None
+        rank, data_parallel_size = data_parallel_rank_and_size(self.trainer)
+        num_chosen = self.evaluation_window_count(limit_name, limit_batches, data_parallel_size)
+        sampler = EvenShardSampler(len(self.val_set), num_chosen, rank, data_parallel_size)
+        return DataLoader(self.val_set, sampler=sampler, **self.loader_options())
+
+    def evaluation_window_count(self, limit_name: str, limit_batches: int | float, data_parallel_size: int) -> int:
+        """How many windows all ranks read together: data.val_samples, capped by an int Lightning limit (micro-batches
+        per rank). Left to itself, Lightning would stop each rank after its first batches, which lie at the start of
+        val.bin; a loader that holds only the windows to read, spread out, leaves it nothing to cut."""
+        assert self.val_set is not None
+        count = min(len(self.val_set), self.val_samples or len(self.val_set))
+        if isinstance(limit_batches, float) and limit_batches < 1.0:
+            raise UserError(f"trainer.{limit_name}={limit_batches} is a fraction, which Lightning takes from the start "
+                            "of val.bin: give micro-batches per rank (an int) or set data.val_samples")
+        if isinstance(limit_batches, int):
+            count = min(count, limit_batches * self.micro_batch_size * data_parallel_size)
+        return count
 
     def predict_dataloader(self) -> DataLoader:
         if self.vocab_size != BYTE_VOCAB_SIZE:

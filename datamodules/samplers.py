@@ -6,8 +6,11 @@ takes the ``micro_batch_size`` positions starting at k*G + a*(micro*W) + r*micro
 2-process run with the same global batch see the same samples in every step, ranks never share a sample, and
 resuming at step s only needs s: the stream restarts there.
 
-Validation: every window exactly once, whatever W; ranks get equal counts, padded with PADDING_INDEX, so no
-rank waits in a collective for another to finish.
+Validation: of the N windows of val.bin it reads n (all, or fewer when limited), chosen evenly over the whole file:
+window i * N // n for i < n. So the first is window 0, neighbours are floor(N/n) or ceil(N/n) apart, the last is
+within one such stride of the end, and n alone decides which windows, whatever W (and after a resume). Rank r reads
+i = r, r + W, r + 2W, ...: every chosen window exactly once; ranks get equal counts, padded with PADDING_INDEX, so
+no rank waits in a collective for another to finish.
 """
 
 from __future__ import annotations
@@ -74,16 +77,20 @@ class GlobalBatchSampler(Sampler[int]):
 
 
 class EvenShardSampler(Sampler[int]):
-    """Windows rank, rank + W, rank + 2W, ...; ranks short of ceil(N / W) windows are padded."""
+    """The ``num_chosen`` windows i * num_windows // num_chosen, i = rank, rank + W, ...; ranks short of
+    ceil(num_chosen / W) windows are padded. With num_chosen == num_windows that is every window."""
 
-    def __init__(self, num_samples: int, rank: int, world_size: int) -> None:
-        self.num_samples = num_samples
+    def __init__(self, num_windows: int, num_chosen: int, rank: int, world_size: int) -> None:
+        if not 0 <= num_chosen <= num_windows:
+            raise ValueError(f"num_chosen={num_chosen} must be between 0 and num_windows={num_windows}")
+        self.num_windows = num_windows
+        self.num_chosen = num_chosen
         self.rank = rank
         self.world_size = world_size
 
     def __len__(self) -> int:
-        return math.ceil(self.num_samples / self.world_size)
+        return math.ceil(self.num_chosen / self.world_size)
 
     def __iter__(self) -> Iterator[int]:
-        for index in range(self.rank, len(self) * self.world_size, self.world_size):
-            yield index if index < self.num_samples else PADDING_INDEX
+        for i in range(self.rank, len(self) * self.world_size, self.world_size):
+            yield i * self.num_windows // self.num_chosen if i < self.num_chosen else PADDING_INDEX
