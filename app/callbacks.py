@@ -9,6 +9,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from app.preemption import stopped_by_signal
 from datamodules.language_modeling import data_parallel_rank_and_size
 from datamodules.samplers import derive_seed
 from models.language_model import GPTLanguageModel
@@ -34,11 +35,12 @@ class PerRankSeed(Callback):
 
 class PrintGeneratedText(Callback):
     """At the end of training, continue the datamodule's first prompt so users see what was learned. Every rank
-    generates (a sharded model needs them all); rank 0 prints."""
+    generates (a sharded model needs them all); rank 0 prints. Not after a preemption signal: the time until the
+    scheduler kills the job belongs to the checkpoint."""
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         datamodule = trainer.datamodule
-        if datamodule.vocab_size != 256 or not isinstance(pl_module, GPTLanguageModel):
+        if datamodule.vocab_size != 256 or not isinstance(pl_module, GPTLanguageModel) or stopped_by_signal(trainer):
             return
         prompt = torch.tensor([list(datamodule.prompts[0].encode())])
         completion = pl_module.generate_text(prompt)

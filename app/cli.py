@@ -133,7 +133,17 @@ def main(args: list[str] | None = None) -> None:
         return doctor.main(argv[1:])
     # noise from Lightning's own use of a torch API that torch deprecated; nothing a user can act on
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
-    run_reporting_errors(lambda cli_args: CohortCLI(args=cli_args), args)
+    run_reporting_errors(run_cli, args)
+
+
+def run_cli(args: list[str] | None) -> None:
+    """The Lightning subcommands; a run stopped by a signal exits non-zero, saying how to resume."""
+    cli = CohortCLI(args=args)
+    for callback in cli.trainer.callbacks:
+        if isinstance(callback, PreemptionCheckpoint) and (message := callback.stop_message(cli.trainer)):
+            if cli.trainer.is_global_zero:
+                print(f"cohort: {message}", file=sys.stderr)
+            sys.exit(128 + callback.stopped_by)
 
 
 def run_reporting_errors(command: Callable[[Any], object], args: Any) -> None:

@@ -1,11 +1,13 @@
-"""Preemption that is safe across ranks: checkpoint at one agreed step, requeue, resume without the user.
+"""Preemption that is safe across ranks: checkpoint at one agreed step, then requeue or stop, never lose the steps.
 
-SLURM warns a job before it ends it (``#SBATCH --signal=USR1@90``, or ``scancel --signal=USR1``). The signal
-handler only records the request: a handler that saved there and then would save one rank in the middle of a step
-while the others go on. At each optimizer step the ranks combine their requests with one small all-reduce, so all
-of them stop after the same step; ``last.ckpt`` is written at that step (by the checkpoint callback when training
-ends, sharded or not), then rank 0 asks SLURM to requeue the job. The requeued job runs the same batch script,
-whose ``--ckpt_path last`` resumes from that checkpoint.
+SLURM warns a job before it ends it (``#SBATCH --signal=USR1@90``, or ``scancel --signal=USR1``); Kubernetes,
+torchrun's agent when it shuts down, and SLURM without ``--signal`` send SIGTERM. The signal handler only records
+the request: a handler that saved there and then would save one rank in the middle of a step while the others go
+on. At each optimizer step the ranks combine their requests with one small all-reduce, so all of them stop after
+the same step; ``last.ckpt`` is written at that step (by the checkpoint callback when training ends, sharded or
+not). After SIGUSR1 inside a SLURM job rank 0 then asks SLURM to requeue the job, whose batch script resumes with
+``--ckpt_path last``. Otherwise the run stops: ``cohort`` exits with 128 + the signal's number (143 for SIGTERM)
+and one line saying how to resume, so a scheduler never takes the stop for success.
 """
 
 from __future__ import annotations
@@ -23,49 +25,73 @@ from lightning.pytorch.utilities import rank_zero_info
 
 
 class PreemptionCheckpoint(Callback):
-    def __init__(self, signal_name: str = "SIGUSR1", requeue: bool = True) -> None:
+    def __init__(self, requeue_signal: str = "SIGUSR1", stop_signal: str = "SIGTERM", requeue: bool = True) -> None:
         """
         Args:
-            signal_name: the signal that announces preemption (SLURM's --signal, or scancel --signal).
-            requeue: ask SLURM to requeue the job after the checkpoint (only inside a SLURM job).
+            requeue_signal: checkpoint, then requeue inside a SLURM job (SLURM's --signal, or scancel --signal).
+            stop_signal: checkpoint, then stop with a non-zero exit (what Kubernetes and torchrun's agent send).
+            requeue: ask SLURM to requeue the job after a requeue_signal (only inside a SLURM job).
         """
-        self.signum = signal.Signals[signal_name]
+        self.requeue_signal = signal.Signals[requeue_signal]
+        self.stop_signal = signal.Signals[stop_signal]
         self.requeue = requeue
-        self.requested = False
-        self.stopped_for_preemption = False
+        self.requested = 0  # the number of the signal received, 0 for none
+        self.stopped_by: signal.Signals | None = None  # set once all ranks stopped for a signal
+        self.requeued = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        signal.signal(self.signum, self._record_request)
+        # replaces Lightning's own SIGTERM handler, which stops the run without a checkpoint and exits 0
+        for signum in (self.requeue_signal, self.stop_signal):
+            signal.signal(signum, self._record_request)
         # the flag travels through a CPU (gloo) group: on NCCL a GPU tensor read back every step would stall the
         # device queue once per step
         self._group = None
         if dist.is_available() and dist.is_initialized():
             self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
         then = "requeue the job" if self.requeue and "SLURM_JOB_ID" in os.environ else "stop"
-        rank_zero_info(f"preemption: {self.signum.name} will checkpoint at the next step and {then}")
+        rank_zero_info(f"preemption: {self.requeue_signal.name} will checkpoint at the next step and {then}; "
+                       f"{self.stop_signal.name} will checkpoint and stop")
 
     def _record_request(self, signum: int, frame: FrameType | None) -> None:
-        self.requested = True  # nothing else is safe inside a signal handler
+        self.requested = max(self.requested, signum)  # nothing else is safe inside a signal handler
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object, batch: object,
                            batch_idx: int) -> None:
         if (batch_idx + 1) % trainer.accumulate_grad_batches != 0:
             return  # only optimizer-step boundaries are resumable points
         requested = torch.tensor([float(self.requested)])
-        if self._group is not None:
-            dist.all_reduce(requested, op=dist.ReduceOp.MAX, group=self._group)  # any rank's signal stops all here
+        if self._group is not None:  # any rank's signal stops all here; SIGTERM (15) outranks SIGUSR1 (10)
+            dist.all_reduce(requested, op=dist.ReduceOp.MAX, group=self._group)
         if requested.item() > 0:
-            self.stopped_for_preemption = True
+            self.stopped_by = signal.Signals(int(requested.item()))
             trainer.should_stop = True  # the checkpoint callback writes last.ckpt for this step as training ends
-            rank_zero_info(f"preemption: stopping after step {trainer.global_step} to checkpoint and requeue")
+            rank_zero_info(f"preemption: {self.stopped_by.name} received, stopping after step {trainer.global_step} "
+                           "to checkpoint")
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """After training ended and last.ckpt was written: put the job back in the queue."""
         job_id = os.environ.get("SLURM_JOB_ID")
-        if not (self.stopped_for_preemption and self.requeue and job_id and trainer.is_global_zero):
+        if not (self.stopped_by == self.requeue_signal and self.requeue and job_id):
+            return
+        self.requeued = True
+        if not trainer.is_global_zero:
             return
         result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"scontrol requeue {job_id} failed: {result.stderr.strip()}; the checkpoint is saved, "
                                "resubmit the job with --ckpt_path last")
         rank_zero_info(f"preemption: job {job_id} requeued; it resumes from last.ckpt")
+
+    def stop_message(self, trainer: L.Trainer) -> str | None:
+        """After fit: the line to exit with when a signal stopped the run and nothing will resume it by itself."""
+        if self.stopped_by is None or self.requeued:
+            return None
+        checkpoint = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
+        saved = f"{os.path.normpath(checkpoint)} holds that step" if checkpoint else "no checkpoint callback saved it"
+        return (f"stopped by {self.stopped_by.name} after step {trainer.global_step}; {saved}: resume with the same "
+                "command and --ckpt_path last")
+
+
+def stopped_by_signal(trainer: L.Trainer) -> bool:
+    """Whether the ranks stopped this run for a preemption signal."""
+    return any(isinstance(callback, PreemptionCheckpoint) and callback.stopped_by for callback in trainer.callbacks)

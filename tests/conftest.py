@@ -15,7 +15,7 @@ def byte_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def debug_run_args(byte_corpus: Path) -> list[str]:
     """CLI arguments for a tiny, fast, fully deterministic CPU run of the debug model."""
     return [

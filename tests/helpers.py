@@ -144,6 +144,20 @@ class KillAtStep(Callback):
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
+class SignalAtStep(Callback):
+    """Sends a signal to rank 0's own process at a micro-batch inside an accumulation window, as a scheduler would."""
+
+    def __init__(self, signal_name: str, step: int, micro_batch: int) -> None:
+        self.signum = signal.Signals[signal_name]
+        self.step = step
+        self.micro_batch = micro_batch
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        at_micro_batch = batch_idx % trainer.accumulate_grad_batches == self.micro_batch
+        if trainer.is_global_zero and trainer.global_step == self.step and at_micro_batch:
+            os.kill(os.getpid(), self.signum)
+
+
 class GradientAllReduceCounter(Callback):
     """Records, per rank, the training micro-batches whose backward all-reduced gradients (a DDP comm hook)."""
 

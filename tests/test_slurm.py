@@ -137,7 +137,7 @@ def test_preempted_job_requeues_and_resumes_to_the_same_weights(slurm: dict[str,
     state = wait_until_finished(slurm, job_id, timeout=300)
     log = log_path.read_text()
     assert state == "COMPLETED", log[-4000:]
-    assert "preemption: stopping after step" in log and f"job {job_id} requeued" in log
+    assert "preemption: SIGUSR1 received, stopping after step" in log and f"job {job_id} requeued" in log
     assert "(restart 1)" in log and "resuming from" in log
     stopped_at = int(re.search(r"stopping after step (\d+)", log).group(1))
     assert 0 < stopped_at < 300

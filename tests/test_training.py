@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import (
-    DDP_2, QUIET, assert_weights_close, assert_weights_equal, fit, fit_killed_mid_accumulation,
+    DDP_2, QUIET, assert_weights_close, assert_weights_equal, cached_fits, fit, fit_killed_mid_accumulation,
     last_checkpoint_weights, run_cohort,
 )
 
@@ -64,15 +65,25 @@ def test_ddp_all_reduces_gradients_once_per_optimizer_step(tmp_path: Path, debug
         assert summary["reducing_batches"] == [3, 7, 11, 15]  # only the last micro-batch of each step
 
 
-@pytest.mark.parametrize("processes", [1, 2], ids=["1-process", "ddp-2"])
-def test_resume_after_sigkill_is_bitwise_exact(tmp_path: Path, debug_run_args: list[str], processes: int) -> None:
-    """N steps straight == N/2 steps, SIGKILL inside an accumulation window, resume to N (dropout on)."""
-    run = [*debug_run_args, "--trainer.max_steps", "6", "--checkpoint.every_n_train_steps", "3",
-           "--val_every_n_steps", "2", "--model.dropout", "0.1",
-           "--data.global_batch_size", "8", "--data.micro_batch_size", "2",
-           "--trainer.devices", str(processes), "--trainer.strategy", "ddp" if processes > 1 else "auto"]
-    straight = fit(tmp_path / "straight", run)
+def resume_test_run(debug_run_args: list[str], layout: str) -> list[str]:
+    """6 steps of 4 micro-batches per rank with dropout, checkpointing every 3 steps, on 1 process or DDP-2."""
+    return [*debug_run_args, "--trainer.max_steps", "6", "--checkpoint.every_n_train_steps", "3",
+            "--val_every_n_steps", "2", "--model.dropout", "0.1",
+            "--data.global_batch_size", "8", "--data.micro_batch_size", "2",
+            *(DDP_2 if layout == "ddp-2" else [])]
 
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, debug_run_args: list[str]) -> Callable[[str, str], Path]:
+    """The resume tests' run, never interrupted: ("32-true", layout) -> its folder."""
+    return cached_fits(tmp_path_factory, lambda _, layout: resume_test_run(debug_run_args, layout))
+
+
+@pytest.mark.parametrize("layout", ["1-process", "ddp-2"])
+def test_resume_after_sigkill_is_bitwise_exact(tmp_path: Path, debug_run_args: list[str], layout: str,
+                                               uninterrupted: Callable[[str, str], Path]) -> None:
+    """N steps straight == N/2 steps, SIGKILL inside an accumulation window, resume to N (dropout on)."""
+    run = resume_test_run(debug_run_args, layout)
     interrupted = tmp_path / "interrupted"
     fit_killed_mid_accumulation(interrupted, run)
     checkpoint = torch.load(interrupted / "lightning_logs/version_0/checkpoints/last.ckpt", weights_only=False)
@@ -80,7 +91,29 @@ def test_resume_after_sigkill_is_bitwise_exact(tmp_path: Path, debug_run_args: l
     fit(interrupted, run, "--ckpt_path", "last")
 
     assert not (interrupted / "lightning_logs" / "version_1").exists()  # the resumed run logs into its own folder
-    assert_weights_equal(last_checkpoint_weights(straight), last_checkpoint_weights(interrupted))
+    assert_weights_equal(last_checkpoint_weights(uninterrupted("32-true", layout)), last_checkpoint_weights(interrupted))
+
+
+@pytest.mark.parametrize("layout", ["1-process", "ddp-2"])
+def test_sigterm_checkpoints_its_step_exits_143_and_resumes_bitwise_exact(
+        tmp_path: Path, debug_run_args: list[str], layout: str, uninterrupted: Callable[[str, str], Path]) -> None:
+    """SIGTERM (Kubernetes, torchrun's agent, SLURM without --signal) inside step 5's accumulation window: every
+    rank finishes that step, last.ckpt holds it (not the periodic one of step 3), the exit says how to resume."""
+    run = resume_test_run(debug_run_args, layout)
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    result = run_cohort(["fit", *run, *QUIET, "--trainer.callbacks+=tests.helpers.SignalAtStep",
+                         "--trainer.callbacks.signal_name=SIGTERM", "--trainer.callbacks.step=4",
+                         "--trainer.callbacks.micro_batch=1"], cwd=stopped)
+    assert result.returncode == 143, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "cohort: stopped by SIGTERM after step 5; lightning_logs/version_0/checkpoints/last.ckpt holds that step: "
+        "resume with the same command and --ckpt_path last")
+    assert "--- sample after" not in result.stdout  # the grace time goes to the checkpoint, not to generating text
+    checkpoint = torch.load(stopped / "lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 5
+    fit(stopped, run, "--ckpt_path", "last")
+    assert_weights_equal(last_checkpoint_weights(uninterrupted("32-true", layout)), last_checkpoint_weights(stopped))
 
 
 def test_validation_loss_is_the_same_on_one_and_two_processes(tmp_path: Path, debug_run_args: list[str]) -> None:
