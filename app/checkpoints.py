@@ -23,6 +23,7 @@ import lightning as L
 import torch
 from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.tensor import DTensor
 
 from app.errors import UserError
 
@@ -35,10 +36,20 @@ class RunCheckpoint(ModelCheckpoint):
     does so when nothing was saved at all).
 
     Every checkpoint, a single file or a sharded folder, is written next to its target as ``NAME.partial`` by all
-    ranks, then moved into place by rank 0: a run killed mid-write keeps the previous checkpoint.
+    ranks, then moved into place by rank 0: a run killed mid-write keeps the previous checkpoint. Nor is a poisoned
+    one ever written: if any rank's weights or optimizer state hold NaN or inf, every rank stops with one line and
+    the previous checkpoint stays the newest.
     """
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        poisoned = non_finite_tensors(trainer)
+        if trainer.strategy.reduce_boolean_decision(bool(poisoned), all=False):  # one flag, every rank decides alike
+            kept = f"{os.path.normpath(self._last_checkpoint_saved)} is kept" if self._last_checkpoint_saved else \
+                "no checkpoint was written yet"
+            where = f"rank {trainer.global_rank}: {', '.join(poisoned[:3])}" if poisoned else "on another rank"
+            raise UserError(f"step {trainer.global_step}: the weights or optimizer state hold NaN or inf ({where}), so "
+                            f"no checkpoint was written and {kept}: lower model.learning_rate or set "
+                            "trainer.gradient_clip_val, then resume with --ckpt_path last")
         partial = Path(f"{filepath}.partial")
         if trainer.is_global_zero:
             remove_path(partial)  # left by a run killed while writing
@@ -52,6 +63,21 @@ class RunCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.save_last and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+def non_finite_tensors(trainer: L.Trainer) -> list[str]:
+    """Names of this rank's parameters and optimizer-state tensors (its shards, if sharded) holding NaN or inf;
+    one host sync for all of them."""
+    named = [(name, param) for name, param in trainer.lightning_module.named_parameters()]
+    for index, optimizer in enumerate(trainer.optimizers):
+        names = {id(param): name for name, param in named}
+        named += [(f"optimizer {index} {key} of {names.get(id(param), '?')}", value)
+                  for param, state in optimizer.state.items() for key, value in state.items()
+                  if isinstance(value, torch.Tensor) and value.is_floating_point()]
+    local = [tensor.to_local() if isinstance(tensor, DTensor) else tensor for _, tensor in named]
+    if not local or torch.stack([torch.isfinite(tensor).all().to(local[0].device) for tensor in local]).all():
+        return []
+    return [name for (name, _), tensor in zip(named, local) if not torch.isfinite(tensor).all()]
 
 
 def replace_path(source: Path, target: Path) -> None:

@@ -209,6 +209,22 @@ class PerturbWeights(Callback):
                 next(pl_module.parameters()).view(-1)[0] += 1e-3
 
 
+class PoisonWeightsBeforeCheckpoint(Callback):
+    """Puts a NaN into one rank's weights at the end of an optimizer step, before that step's checkpoint is written:
+    a test-only stand-in for an update that diverged on one rank."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank = rank
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        end_of_step = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+        if trainer.global_rank == self.rank and trainer.global_step == self.step and end_of_step:
+            with torch.no_grad():
+                next(pl_module.parameters()).view(-1)[0] = float("nan")
+
+
 class KillRank(Callback):
     """SIGKILL one rank's own process at a step, as a crashed GPU or an OOM-killed process would die."""
 

@@ -1,6 +1,6 @@
 """Checkpoints are data: a pickle that asks for code is refused by fit, validate, predict and consolidate before
-any of it runs, and a torch file that is not a Lightning checkpoint is named for what it is. In-process: the
-one-line plumbing itself is proven by tests/test_cli_errors.py."""
+any of it runs, and a torch file that is not a Lightning checkpoint is named for what it is (in-process: the
+one-line plumbing itself is proven by tests/test_cli_errors.py). And no checkpoint is written with NaN in it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from app.cli import main
+from tests.helpers import DDP_2, QUIET, run_cohort
 
 
 class CreatesAFile:
@@ -78,3 +79,21 @@ def test_a_torch_file_that_is_not_a_lightning_checkpoint_is_named(content: objec
     monkeypatch.chdir(tmp_path)
     message = one_line_error(["validate", *debug_run_args, "--ckpt_path", str(path)], monkeypatch)
     assert f"{path} {described}, not a Lightning checkpoint" in message
+
+
+@pytest.mark.slow
+def test_no_checkpoint_is_written_with_nan_on_any_rank(tmp_path: Path, debug_run_args: list[str]) -> None:
+    """DDP-2: rank 1's weights turn NaN just before the step-4 checkpoint, which rank 0 (clean) would write. Both
+    ranks refuse; the step-2 checkpoint stays the newest, whole and finite."""
+    result = run_cohort(["fit", *debug_run_args, *QUIET, *DDP_2, "--trainer.max_steps", "6",
+                         "--checkpoint.every_n_train_steps", "2", "--data.global_batch_size", "4",
+                         "--data.micro_batch_size", "2", "--trainer.callbacks+=tests.helpers.PoisonWeightsBeforeCheckpoint",
+                         "--trainer.callbacks.rank=1", "--trainer.callbacks.step=4"], cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "cohort: error: step 4: the weights or optimizer state hold NaN or inf (on another rank), so no checkpoint was "
+        "written and lightning_logs/version_0/checkpoints/last.ckpt is kept")
+    checkpoint = torch.load(tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 2
+    assert all(torch.isfinite(tensor).all() for tensor in checkpoint["state_dict"].values())
+    assert not list((tmp_path / "lightning_logs/version_0/checkpoints").glob("*.partial"))
