@@ -31,7 +31,7 @@ from app.checkpoints import RunCheckpoint, check_checkpoint, find_last_checkpoin
 from app.errors import UserError
 from app.monitoring import RankMonitor, ReplicaDivergenceError
 from app.preemption import PreemptionCheckpoint
-from app.run_plan import apply_batch_plan, check_strategy, resolve_precision
+from app.run_plan import apply_batch_plan, check_launch, check_strategy, check_writable_folder, resolve_precision
 from datamodules.language_modeling import LanguageModelingDataModule
 from models.language_model import GPTLanguageModel
 
@@ -92,6 +92,7 @@ class CohortCLI(LightningCLI):
                 init_args=Namespace(auto_requeue=False))]
         accelerator = trainer.accelerator if isinstance(trainer.accelerator, str) else "custom"
         check_strategy(trainer.strategy, accelerator)
+        check_launch(trainer)
         trainer.precision = resolve_precision(trainer.precision, accelerator)
         if config.weights_only is None:  # checkpoints are data: refuse a pickle that asks for code, whatever torch's default
             config.weights_only = True
@@ -99,18 +100,21 @@ class CohortCLI(LightningCLI):
             config.ckpt_path = self._resume_last(trainer)
         if config.ckpt_path not in (None, "last"):
             check_checkpoint(Path(config.ckpt_path), config.model, config.weights_only)
+        # last: it makes the folders it checks
+        for what, folder in (("log folder", log_root(trainer)), ("checkpoint folder", config.checkpoint.dirpath)):
+            if folder is not None:
+                check_writable_folder(Path(folder), what)
 
     def _resume_last(self, trainer_config: Namespace) -> str | None:
         """Resolve ``--ckpt_path last`` to the newest run's last.ckpt and log into that run's folder again."""
-        logger = trainer_config.logger
-        if not (hasattr(logger, "class_path") and logger.class_path.endswith("TensorBoardLogger")):
+        root = log_root(trainer_config)
+        if root is None:
             return "last"  # another logger: Lightning's own lookup
-        log_root = Path(logger.init_args.save_dir) / logger.init_args.name
-        checkpoint = find_last_checkpoint(log_root)
+        checkpoint = find_last_checkpoint(root)
         if checkpoint is None:
-            rank_zero_info(f"--ckpt_path last: no checkpoint under {log_root}/version_*/checkpoints, starting a new run")
+            rank_zero_info(f"--ckpt_path last: no checkpoint under {root}/version_*/checkpoints, starting a new run")
             return None
-        logger.init_args.version = checkpoint.parent.parent.name
+        trainer_config.logger.init_args.version = checkpoint.parent.parent.name
         rank_zero_info(f"resuming from {checkpoint}")
         return str(checkpoint)
 
@@ -119,6 +123,14 @@ class CohortCLI(LightningCLI):
         for callback in list(self.trainer.callbacks):
             if isinstance(callback, RankMonitor) and not callback.enabled:
                 self.trainer.callbacks.remove(callback)
+
+
+def log_root(trainer_config: Namespace) -> Path | None:
+    """The TensorBoard logger's folder of run versions (save_dir/name); None for another logger."""
+    logger = trainer_config.logger
+    if not (hasattr(logger, "class_path") and logger.class_path.endswith("TensorBoardLogger")):
+        return None
+    return Path(logger.init_args.save_dir) / logger.init_args.name
 
 
 def main(args: list[str] | None = None) -> None:

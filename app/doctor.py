@@ -15,7 +15,6 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -27,11 +26,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from jsonargparse import Namespace
 
-from app.cli import CohortCLI
+from app.cli import CohortCLI, log_root
 from app.comm import time_collective
 from app.errors import UserError
 from app.launch import Launch, detect_launch, join_process_group, launch_device
-from app.run_plan import gradient_accumulation, resolve_precision
+from app.run_plan import check_launch, check_writable_folder, gradient_accumulation, resolve_precision
 from datamodules.language_modeling import LanguageModelingDataModule
 from datamodules.samplers import GlobalBatchSampler
 from models.gpt import GPT, gpt_config
@@ -45,24 +44,12 @@ class Check:
     advice: str = ""
 
 
-def expected_world_size(trainer: Namespace) -> int:
-    devices = trainer.devices
-    if devices in ("auto", -1, "-1"):
-        devices = torch.cuda.device_count() if torch.cuda.is_available() and trainer.accelerator != "cpu" else 1
-    elif isinstance(devices, (list, tuple)) or (isinstance(devices, str) and "," in devices):
-        devices = len(devices) if isinstance(devices, (list, tuple)) else len(devices.strip(",").split(","))
-    return int(devices) * int(trainer.num_nodes)
-
-
 def check_world(trainer: Namespace, world_size: int, launcher: str) -> Check:
-    expected = expected_world_size(trainer)
     detail = f"launcher {launcher}: {world_size} processes; config: {trainer.devices} devices x {trainer.num_nodes} nodes"
-    if launcher == "slurm" and "SLURM_NTASKS" in os.environ and int(os.environ["SLURM_NTASKS"]) != expected:
-        return Check("world size", "fail", f"SLURM_NTASKS={os.environ['SLURM_NTASKS']}, config expects {expected}",
-                     "set --ntasks-per-node to trainer.devices and --nodes to trainer.num_nodes")
-    if launcher != "none" and world_size != expected:
-        return Check("world size", "fail", detail + f" = {expected}",
-                     "make trainer.devices x trainer.num_nodes equal the processes the launcher starts")
+    try:
+        check_launch(trainer)
+    except UserError as error:
+        return Check("world size", "fail", detail, str(error))
     return Check("world size", "pass", detail)
 
 
@@ -144,19 +131,16 @@ def micro_batch_compute_seconds(config: Namespace, batch: tuple[torch.Tensor, to
 
 
 def check_folders(config: Namespace) -> list[Check]:
-    logger = config.trainer.logger
-    log_root = Path(logger.init_args.save_dir) / logger.init_args.name if hasattr(logger, "init_args") else Path(".")
+    root = log_root(config.trainer) or Path(".")
     with torch.device("meta"):
         params = GPT(gpt_config(config.model.model_name, vocab_size=config.data.vocab_size)).num_parameters()
     checkpoint_bytes = params * 12  # fp32 weights + two AdamW moments
     checks = []
-    for name, folder in (("log folder", log_root), ("checkpoint folder", Path(config.checkpoint.dirpath or log_root))):
+    for name, folder in (("log folder", root), ("checkpoint folder", Path(config.checkpoint.dirpath or root))):
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=folder):
-                pass
-        except OSError as error:
-            checks.append(Check(name, "fail", f"{folder}: {error.strerror}", "point it at a writable folder"))
+            check_writable_folder(folder, name)
+        except UserError as error:
+            checks.append(Check(name, "fail", str(folder), str(error)))
             continue
         free = shutil.disk_usage(folder).free
         status = "pass" if free > 5 * checkpoint_bytes else "warn" if free > 2 * checkpoint_bytes else "fail"

@@ -1,13 +1,18 @@
-"""Checks and derived settings that need the whole config: batch arithmetic, precision, strategy.
+"""Checks and derived settings that need the whole config: batch arithmetic, precision, strategy, launcher, folders.
 
 All batch-size arithmetic lives here: global = micro x devices x nodes x accumulation.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
+
 import lightning as L
 import torch
 from jsonargparse import Namespace
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -130,3 +135,47 @@ def resolve_precision(precision: str | int | None, accelerator: str) -> str:
                        "(bfloat16 autocast, no grad scaler)")
         return "bf16-mixed"
     return requested
+
+
+def expected_world_size(trainer: Namespace) -> int:
+    """trainer.devices x trainer.num_nodes, with Lightning's "auto" / -1 / list forms of devices counted."""
+    devices = trainer.devices
+    if devices in ("auto", -1, "-1"):
+        devices = torch.cuda.device_count() if torch.cuda.is_available() and trainer.accelerator != "cpu" else 1
+    elif isinstance(devices, (list, tuple)) or (isinstance(devices, str) and "," in devices):
+        devices = len(devices) if isinstance(devices, (list, tuple)) else len(devices.strip(",").split(","))
+    return int(devices) * int(trainer.num_nodes)
+
+
+def check_launch(trainer: Namespace) -> None:
+    """A UserError, in seconds, when the processes that exist cannot form the job the config describes; otherwise
+    the ranks would wait for each other until a timeout. Lightning alone starts processes on this machine only."""
+    expected = expected_world_size(trainer)
+    if TorchElasticEnvironment.detect():
+        launcher, started = "torchrun", int(os.environ["WORLD_SIZE"])
+    elif SLURMEnvironment.detect():
+        launcher, started = "srun", int(os.environ["SLURM_NTASKS"])
+    elif int(trainer.num_nodes) > 1:
+        raise UserError(f"trainer.num_nodes={trainer.num_nodes} but no launcher started this process, so the other "
+                        "nodes' processes would be waited for forever: on every node run scripts/torchrun.sh (torchrun), "
+                        "or submit scripts/slurm/train.sbatch (srun)")
+    else:
+        return
+    if started != expected:
+        raise UserError(f"{launcher} started {started} processes but trainer.devices={trainer.devices} x "
+                        f"trainer.num_nodes={trainer.num_nodes} = {expected}: make the two agree (for srun: "
+                        "--ntasks-per-node = devices, --nodes = num_nodes)")
+
+
+def check_writable_folder(folder: Path, what: str) -> None:
+    """A UserError unless ``folder`` exists or can be made, and a file can be written in it."""
+    existing = next(parent for parent in (folder, *folder.parents) if parent.exists())
+    if not existing.is_dir():
+        raise UserError(f"the {what} {folder} cannot be made: {existing} is a file, not a folder: point it at a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise UserError(f"the {what} {folder} cannot be written ({error.strerror}): point it at a writable "
+                        "folder") from None

@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
-from app.errors import UserError
+from app.errors import UserError, check_ranges
 from datamodules.prepare import BYTE_VOCAB_SIZE, DEFAULT_CORPUS_DIR, prepare_byte_corpus, stdlib_source_files
 from datamodules.samplers import EvenShardSampler, GlobalBatchSampler
 from datamodules.token_files import TokenWindows, check_token_file
@@ -97,10 +97,14 @@ class LanguageModelingDataModule(L.LightningDataModule):
         """
         super().__init__()
         self.save_hyperparameters()
-        for name, value in (("sequence_length", sequence_length), ("global_batch_size", global_batch_size),
-                            ("micro_batch_size", micro_batch_size), ("vocab_size", vocab_size)):
-            if value < 1:
-                raise UserError(f"data.{name}={value} must be a positive integer")
+        check_ranges("data", {
+            "sequence_length": (sequence_length >= 1, "a positive integer"),
+            "global_batch_size": (global_batch_size >= 1, "a positive integer"),
+            "micro_batch_size": (micro_batch_size >= 1, "a positive integer"),
+            "vocab_size": (vocab_size >= 1, "a positive integer"),
+            "val_samples": (val_samples is None or val_samples >= 1, "a positive integer, or null for all of val.bin"),
+            "num_workers": (num_workers >= 0, ">= 0 (0 loads batches in the training process)"),
+        }, locals())
         self.data_dir = Path(data_dir) if data_dir is not None else DEFAULT_CORPUS_DIR
         if data_dir is not None:  # check user data now, before any work starts
             for split in ("train", "val"):

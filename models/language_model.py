@@ -16,7 +16,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
-from app.errors import UserError
+from app.errors import UserError, check_ranges
 from datamodules.token_files import IGNORE_INDEX
 from models.gpt import GPT, GPT_CONFIGS, gpt_config
 from models.parallelize import CHECKPOINT_WRAPPER_PREFIX, build_gpt, clip_grad_norm_
@@ -66,6 +66,19 @@ class GPTLanguageModel(L.LightningModule):
         """
         super().__init__()
         self.save_hyperparameters()
+        check_ranges("model", {
+            "learning_rate": (learning_rate > 0, "> 0"),
+            "min_learning_rate_ratio": (0 <= min_learning_rate_ratio <= 1, "in [0, 1]"),
+            "dropout": (0 <= dropout < 1, "in [0, 1)"),
+            "weight_decay": (weight_decay >= 0, ">= 0"),
+            "betas": (len(betas) == 2 and all(0 <= beta < 1 for beta in betas), "two numbers in [0, 1)"),
+            "warmup_steps": (warmup_steps >= 0, ">= 0"),
+            "lr_decay_steps": (lr_decay_steps is None or lr_decay_steps > 0, "> 0, or null for the whole run"),
+            "reference_batch_size": (reference_batch_size is None or reference_batch_size > 0, "> 0, or null"),
+            "max_new_tokens": (max_new_tokens >= 0, ">= 0"),
+            "temperature": (temperature > 0, "> 0"),
+            "top_k": (top_k is None or top_k >= 1, ">= 1, or null to sample from all tokens"),
+        }, locals())
         if model_name not in GPT_CONFIGS:
             raise UserError(f"unknown model.model_name '{model_name}': choose one of {', '.join(GPT_CONFIGS)}")
         self.config = gpt_config(model_name, vocab_size=vocab_size, dropout=dropout)

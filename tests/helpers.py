@@ -21,6 +21,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from app.cli import main
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 DDP_2 = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
@@ -40,6 +42,16 @@ def run_cohort(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.C
         [sys.executable, "-m", "app", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
         start_new_session=True,  # so a test can SIGKILL the run and every rank it started, like a node failure
     )
+
+
+def one_line_error(args: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
+    """``cohort ARGS`` in this process, which must stop with one ``cohort: error:`` line; returns that line."""
+    monkeypatch.setattr(sys, "argv", ["cohort"])  # ARGS are the whole command line
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    message = str(exit_info.value.code)
+    assert message.startswith("cohort: error: ") and "\n" not in message, message
+    return message
 
 
 def fit(run_dir: Path, args: list[str], *extra: str) -> Path:

@@ -4,15 +4,13 @@ one-line plumbing itself is proven by tests/test_cli_errors.py). And no checkpoi
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from app.cli import main
-from tests.helpers import DDP_2, QUIET, run_cohort
+from tests.helpers import DDP_2, QUIET, one_line_error, run_cohort
 
 
 class CreatesAFile:
@@ -23,15 +21,6 @@ class CreatesAFile:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return open, (str(self.path), "w")
-
-
-def one_line_error(args: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setattr(sys, "argv", ["cohort"])
-    with pytest.raises(SystemExit) as exit_info:
-        main(args)
-    message = str(exit_info.value.code)
-    assert message.startswith("cohort: error: ") and "\n" not in message, message
-    return message
 
 
 @pytest.fixture
@@ -49,7 +38,7 @@ def test_a_checkpoint_whose_pickle_runs_code_is_refused(command: str, hostile_ch
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     path, marker = hostile_checkpoint
     monkeypatch.chdir(tmp_path)
-    message = one_line_error([command, *debug_run_args, "--ckpt_path", str(path)], monkeypatch)
+    message = one_line_error([command, *debug_run_args, "--trainer.max_steps", "1", "--ckpt_path", str(path)], monkeypatch)
     assert f"checkpoint {path} asks to run code (" in message and ".open')" in message  # io.open or builtins.open
     assert not marker.exists() and not (tmp_path / "lightning_logs").exists()
 

@@ -24,7 +24,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from datamodules.language_modeling import LanguageModelingDataModule
 from models.language_model import GPTLanguageModel, weight_decay_groups
-from tests.helpers import REPO_ROOT, cached_fits, fit, scalars, shrunk
+from tests.helpers import REPO_ROOT, cached_fits, fit, scalars, shrunk, without_key_bias
 
 pytestmark = pytest.mark.slow
 
@@ -150,5 +150,9 @@ def test_fp16_grad_scaler_with_fused_adamw_matches_torchs_amp_recipe(byte_corpus
         optimizer.zero_grad()
     assert len(record.norms) == steps and min(record.norms) > CLIP
     assert record.norms == pytest.approx(reference_norms, rel=1e-6)
-    for name, weight in module.model.state_dict().items():
-        torch.testing.assert_close(weight, reference.model.state_dict()[name], rtol=1e-6, atol=1e-7, msg=name)
+    # within 1 % of one update (lr 1e-3): seen here 4e-9, and 4e-7 after other in-process runs changed some
+    # global state of torch's CPU float16 kernels; the key biases, whose true gradient is 0, are left out (see
+    # without_key_bias)
+    trained, expected = without_key_bias(module.model.state_dict()), without_key_bias(reference.model.state_dict())
+    for name, weight in trained.items():
+        torch.testing.assert_close(weight, expected[name], rtol=0, atol=1e-5, msg=name)
