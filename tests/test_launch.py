@@ -146,8 +146,9 @@ def test_doctor_fails_when_slurm_tasks_do_not_match_the_config(tmp_path: Path, b
                              "--data.data_dir", str(byte_corpus)], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=180)
     assert result.returncode != 0
-    assert "FAIL  world size" in result.stdout and "SLURM_NTASKS=4, config expects 1" in result.stdout
-    assert "set --ntasks-per-node to trainer.devices" in result.stdout
+    assert "FAIL  world size" in result.stdout
+    assert "srun started 4 processes but trainer.devices=1 x trainer.num_nodes=1 = 1" in result.stdout
+    assert "--ntasks-per-node = devices" in result.stdout
     # with 4 processes the quickstart's global batch of 32 no longer divides by 16 x 4: found too
     assert "FAIL  data" in result.stdout and "data.global_batch_size=32 is not a multiple" in result.stdout
     assert result.stderr.strip().splitlines()[-1] == "cohort doctor: 2 check(s) failed: world size, data"
