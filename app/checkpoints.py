@@ -31,9 +31,10 @@ META_FILE = "meta.pt"  # what Lightning writes beside the shards: loop state, hy
 
 
 class RunCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint that never leaves a half-written checkpoint in place and that also writes ``last.ckpt``
-    when training ends between two periodic saves, so the final weights are never lost (Lightning's own only
-    does so when nothing was saved at all).
+    """ModelCheckpoint that never leaves a half-written checkpoint in place and that also saves when training ends
+    between two periodic saves, so the final weights are never lost (Lightning's own only does so when nothing was
+    saved at all). The CLI configures it to keep the newest ``save_top_k`` step checkpoints (``step=000500.ckpt``,
+    the oldest deleted only once the new one is in place) with ``last.ckpt`` a link to the newest.
 
     Every checkpoint, a single file or a sharded folder, is written next to its target as ``NAME.partial`` by all
     ranks, then moved into place by rank 0: a run killed mid-write keeps the previous checkpoint. Nor is a poisoned
@@ -44,8 +45,8 @@ class RunCheckpoint(ModelCheckpoint):
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         poisoned = non_finite_tensors(trainer)
         if trainer.strategy.reduce_boolean_decision(bool(poisoned), all=False):  # one flag, every rank decides alike
-            kept = f"{os.path.normpath(self._last_checkpoint_saved)} is kept" if self._last_checkpoint_saved else \
-                "no checkpoint was written yet"
+            previous = self.last_model_path or self._last_checkpoint_saved
+            kept = f"{os.path.normpath(previous)} is kept" if previous else "no checkpoint was written yet"
             where = f"rank {trainer.global_rank}: {', '.join(poisoned[:3])}" if poisoned else "on another rank"
             raise UserError(f"step {trainer.global_step}: the weights or optimizer state hold NaN or inf ({where}), so "
                             f"no checkpoint was written and {kept}: lower model.learning_rate or set "
@@ -61,8 +62,21 @@ class RunCheckpoint(ModelCheckpoint):
         self._last_checkpoint_saved = filepath
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if not self._should_skip_saving_checkpoint(trainer):
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+
+    @staticmethod
+    def _link_checkpoint(trainer: L.Trainer, filepath: str, linkpath: str) -> None:
+        """``last.ckpt`` as a relative link to the newest step checkpoint, replaced atomically (Lightning's own
+        removes the old link first, and a crash just then would leave no ``last.ckpt`` to resume from)."""
+        if trainer.is_global_zero:
+            partial = Path(f"{linkpath}.partial")
+            remove_path(partial)
+            partial.symlink_to(os.path.relpath(filepath, os.path.dirname(linkpath)))
+            replace_path(partial, Path(linkpath))
+        trainer.strategy.barrier("RunCheckpoint.link")
 
 
 def non_finite_tensors(trainer: L.Trainer) -> list[str]:
@@ -81,9 +95,11 @@ def non_finite_tensors(trainer: L.Trainer) -> list[str]:
 
 
 def replace_path(source: Path, target: Path) -> None:
-    """Move ``source`` to ``target``: atomically for two files; a folder on either side is renamed aside first,
-    so a crash between the two renames leaves the previous checkpoint as ``NAME.old``."""
-    if not target.exists() or (source.is_file() and target.is_file()):
+    """Move ``source`` to ``target``: atomically unless either is a real folder (files and links rename over each
+    other); a folder is renamed aside first, so a crash between the two renames leaves the previous checkpoint as
+    ``NAME.old``."""
+    nothing_there = not target.exists() and not target.is_symlink()
+    if nothing_there or not (is_real_folder(source) or is_real_folder(target)):
         os.replace(source, target)
         return
     previous = target.with_name(f"{target.name}.old")
@@ -94,17 +110,21 @@ def replace_path(source: Path, target: Path) -> None:
 
 
 def remove_path(path: Path) -> None:
-    """Delete a file or a folder, if there is one."""
-    if path.is_dir():
+    """Delete a file, a link (not what it points to) or a folder, if there is one."""
+    if is_real_folder(path):
         shutil.rmtree(path)
-    elif path.exists():
+    elif path.is_symlink() or path.exists():
         path.unlink()
+
+
+def is_real_folder(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
 
 
 def find_last_checkpoint(log_root: Path) -> Path | None:
     """The newest ``version_*/checkpoints/last.ckpt`` under a TensorBoard log root."""
     candidates = list(log_root.glob("version_*/checkpoints/last.ckpt"))
-    return max(candidates, key=lambda path: path.stat().st_mtime) if candidates else None
+    return max(candidates, key=lambda path: path.lstat().st_mtime) if candidates else None
 
 
 def is_sharded_checkpoint(folder: Path) -> bool:

@@ -63,8 +63,12 @@ class CohortCLI(LightningCLI):
         parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
         parser.set_defaults(
             {
-                "checkpoint.save_last": True,
-                "checkpoint.save_top_k": 0,  # only last.ckpt, unless a metric is monitored
+                "checkpoint.save_last": "link",  # last.ckpt: a link to the newest step checkpoint, no second copy
+                "checkpoint.monitor": "step",  # with mode max: keep the newest save_top_k checkpoints
+                "checkpoint.mode": "max",
+                "checkpoint.save_top_k": 2,
+                "checkpoint.filename": "step={step:06d}",
+                "checkpoint.auto_insert_metric_name": False,
                 "checkpoint.every_n_train_steps": 100,
                 "checkpoint.enable_version_counter": False,  # resumed runs keep writing last.ckpt
             }

@@ -44,3 +44,17 @@ def test_a_new_checkpoint_replaces_the_old_one_whole_file_or_folder(tmp_path: Pa
         replace_path(partial, target)
         assert read_step(target) == step and target.is_dir() == sharded
         assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_last_is_relinked_to_the_newest_checkpoint_over_a_link_or_an_older_whole_last(tmp_path: Path) -> None:
+    """last.ckpt links to the newest step checkpoint; it may replace a link, or a file or folder an older Cohort
+    wrote as last.ckpt itself. The checkpoint a replaced link pointed to is left alone."""
+    target = tmp_path / "last.ckpt"
+    write_checkpoint(target, sharded=True, step=0)  # an old-style last.ckpt folder
+    for step, sharded in enumerate([True, False, False], start=1):
+        write_checkpoint(tmp_path / f"step={step}.ckpt", sharded, step)
+        link = tmp_path / "last.ckpt.partial"
+        link.symlink_to(f"step={step}.ckpt")
+        replace_path(link, target)
+        assert target.is_symlink() and read_step(target) == step
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=1.ckpt", "step=2.ckpt", "step=3.ckpt"]

@@ -4,13 +4,14 @@ one-line plumbing itself is proven by tests/test_cli_errors.py). And no checkpoi
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.helpers import DDP_2, QUIET, one_line_error, run_cohort
+from tests.helpers import DDP_2, QUIET, fit, one_line_error, run_cohort
 
 
 class CreatesAFile:
@@ -79,10 +80,25 @@ def test_no_checkpoint_is_written_with_nan_on_any_rank(tmp_path: Path, debug_run
                          "--data.micro_batch_size", "2", "--trainer.callbacks+=tests.helpers.PoisonWeightsBeforeCheckpoint",
                          "--trainer.callbacks.rank=1", "--trainer.callbacks.step=4"], cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-3000:]
-    assert result.stderr.strip().splitlines()[-1].startswith(
-        "cohort: error: step 4: the weights or optimizer state hold NaN or inf (on another rank), so no checkpoint was "
-        "written and lightning_logs/version_0/checkpoints/last.ckpt is kept")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("cohort: error: ")]
+    assert {line.split(" (", 1)[0] for line in errors} == {
+        "cohort: error: step 4: the weights or optimizer state hold NaN or inf"}, result.stderr[-3000:]
+    assert "(rank 1: model.wte.weight)" in result.stderr  # each rank says what it found
+    assert "(on another rank), so no checkpoint was written and lightning_logs/version_0/checkpoints/last.ckpt is " \
+           "kept" in result.stderr
     checkpoint = torch.load(tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
     assert checkpoint["global_step"] == 2
     assert all(torch.isfinite(tensor).all() for tensor in checkpoint["state_dict"].values())
     assert not list((tmp_path / "lightning_logs/version_0/checkpoints").glob("*.partial"))
+
+
+@pytest.mark.slow
+def test_the_newest_step_checkpoints_are_kept_and_last_links_to_the_newest(tmp_path: Path,
+                                                                            debug_run_args: list[str]) -> None:
+    """Every 2 steps, keep 2 (the default), and the final step 7 saved too; the oldest go only after a new one."""
+    fit(tmp_path, debug_run_args, "--trainer.max_steps", "7", "--checkpoint.every_n_train_steps", "2",
+        "--data.global_batch_size", "4", "--data.micro_batch_size", "4")
+    folder = tmp_path / "lightning_logs/version_0/checkpoints"
+    assert sorted(path.name for path in folder.iterdir()) == ["last.ckpt", "step=000006.ckpt", "step=000007.ckpt"]
+    assert os.readlink(folder / "last.ckpt") == "step=000007.ckpt"
+    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 7
