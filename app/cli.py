@@ -104,7 +104,6 @@ class CohortCLI(LightningCLI):
             config.ckpt_path = self._resume_last(trainer)
         if config.ckpt_path not in (None, "last"):
             check_checkpoint(Path(config.ckpt_path), config.model, config.weights_only)
-        # last: it makes the folders it checks
         for what, folder in (("log folder", log_root(trainer)), ("checkpoint folder", config.checkpoint.dirpath)):
             if folder is not None:
                 check_writable_folder(Path(folder), what)

@@ -138,11 +138,11 @@ def check_folders(config: Namespace) -> list[Check]:
     checks = []
     for name, folder in (("log folder", root), ("checkpoint folder", Path(config.checkpoint.dirpath or root))):
         try:
-            check_writable_folder(folder, name)
+            existing = check_writable_folder(folder, name)
         except UserError as error:
             checks.append(Check(name, "fail", str(folder), str(error)))
             continue
-        free = shutil.disk_usage(folder).free
+        free = shutil.disk_usage(existing).free
         status = "pass" if free > 5 * checkpoint_bytes else "warn" if free > 2 * checkpoint_bytes else "fail"
         checks.append(Check(name, status, f"{folder}: {free / 2**30:.1f} GiB free, a checkpoint is "
                             f"{checkpoint_bytes / 2**30:.2f} GiB", "free space or move the folder" if status != "pass" else ""))

@@ -6,7 +6,6 @@ All batch-size arithmetic lives here: global = micro x devices x nodes x accumul
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import lightning as L
@@ -167,15 +166,13 @@ def check_launch(trainer: Namespace) -> None:
                         "--ntasks-per-node = devices, --nodes = num_nodes)")
 
 
-def check_writable_folder(folder: Path, what: str) -> None:
-    """A UserError unless ``folder`` exists or can be made, and a file can be written in it."""
+def check_writable_folder(folder: Path, what: str) -> Path:
+    """A UserError unless ``folder`` is, or can be made as, a writable folder; creates nothing. Returns the nearest
+    folder that exists (``folder`` itself or a parent), where its files will go."""
     existing = next(parent for parent in (folder, *folder.parents) if parent.exists())
     if not existing.is_dir():
         raise UserError(f"the {what} {folder} cannot be made: {existing} is a file, not a folder: point it at a folder")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder):
-            pass
-    except OSError as error:
-        raise UserError(f"the {what} {folder} cannot be written ({error.strerror}): point it at a writable "
-                        "folder") from None
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"the {what} {folder} cannot be written: {existing} is not writable (permissions or a "
+                        "read-only file system): point it at a writable folder")
+    return existing

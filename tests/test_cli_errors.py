@@ -103,7 +103,7 @@ def test_out_of_range_settings_stop_in_one_line(flags: list[str], expected: str,
                                                 tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert expected in one_line_error(["fit", *debug_run_args, *ONE_STEP, *flags], monkeypatch)
-    assert not (tmp_path / "lightning_logs" / "version_0").exists()
+    assert not (tmp_path / "lightning_logs").exists()
 
 
 def test_a_launcher_that_started_other_processes_than_the_config_says(debug_run_args: list[str], tmp_path: Path,
