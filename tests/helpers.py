@@ -143,19 +143,6 @@ def assert_weights_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert not different, f"not bitwise equal: {different}"
 
 
-class KillAtStep(Callback):
-    """SIGKILL the whole process group (every rank) at a micro-batch inside an accumulation window."""
-
-    def __init__(self, step: int, micro_batch: int) -> None:
-        self.step = step
-        self.micro_batch = micro_batch
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        at_micro_batch = batch_idx % trainer.accumulate_grad_batches == self.micro_batch
-        if trainer.is_global_zero and trainer.global_step == self.step and at_micro_batch:
-            os.killpg(os.getpgid(0), signal.SIGKILL)
-
-
 class SignalAtStep(Callback):
     """Sends a signal to rank 0's own process at a micro-batch inside an accumulation window, as a scheduler would."""
 
@@ -167,7 +154,20 @@ class SignalAtStep(Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         at_micro_batch = batch_idx % trainer.accumulate_grad_batches == self.micro_batch
         if trainer.is_global_zero and trainer.global_step == self.step and at_micro_batch:
-            os.kill(os.getpid(), self.signum)
+            self.send()
+
+    def send(self) -> None:
+        os.kill(os.getpid(), self.signum)
+
+
+class KillAtStep(SignalAtStep):
+    """SIGKILL the whole process group (every rank) at a micro-batch inside an accumulation window."""
+
+    def __init__(self, step: int, micro_batch: int) -> None:
+        super().__init__("SIGKILL", step, micro_batch)
+
+    def send(self) -> None:
+        os.killpg(os.getpgid(0), self.signum)
 
 
 class GradientAllReduceCounter(Callback):
