@@ -30,7 +30,7 @@ from app.callbacks import PerRankSeed, PrintPredictions
 from app.checkpoints import RunCheckpoint, check_checkpoint, find_last_checkpoint
 from app.errors import UserError
 from app.monitoring import RankMonitor, ReplicaDivergenceError
-from app.preemption import PreemptionCheckpoint
+from app.preemption import PreemptionCheckpoint, preemption_callback
 from app.run_plan import apply_batch_plan, check_launch, check_strategy, check_writable_folder, resolve_precision
 from datamodules.language_modeling import LanguageModelingDataModule
 from models.language_model import GPTLanguageModel
@@ -154,11 +154,11 @@ def main(args: list[str] | None = None) -> None:
 def run_cli(args: list[str] | None) -> None:
     """The Lightning subcommands; a run stopped by a signal exits non-zero, saying how to resume."""
     cli = CohortCLI(args=args)
-    for callback in cli.trainer.callbacks:
-        if isinstance(callback, PreemptionCheckpoint) and (message := callback.stop_message(cli.trainer)):
-            if cli.trainer.is_global_zero:
-                print(f"cohort: {message}", file=sys.stderr)
-            sys.exit(128 + callback.stopped_by)
+    preemption = preemption_callback(cli.trainer)
+    if preemption is not None and (message := preemption.stop_message(cli.trainer)):
+        if cli.trainer.is_global_zero:
+            print(f"cohort: {message}", file=sys.stderr)
+        sys.exit(128 + preemption.stopped_by)
 
 
 def run_reporting_errors(command: Callable[[Any], object], args: Any) -> None:

@@ -92,6 +92,12 @@ class PreemptionCheckpoint(Callback):
                 "command and --ckpt_path last")
 
 
+def preemption_callback(trainer: L.Trainer) -> PreemptionCheckpoint | None:
+    """The run's PreemptionCheckpoint (every cohort run has one)."""
+    return next((callback for callback in trainer.callbacks if isinstance(callback, PreemptionCheckpoint)), None)
+
+
 def stopped_by_signal(trainer: L.Trainer) -> bool:
     """Whether the ranks stopped this run for a preemption signal."""
-    return any(isinstance(callback, PreemptionCheckpoint) and callback.stopped_by for callback in trainer.callbacks)
+    callback = preemption_callback(trainer)
+    return callback is not None and callback.stopped_by is not None
