@@ -177,3 +177,12 @@ def check_checkpoint(path: Path, model_config: Namespace, weights_only: bool = T
                 f"checkpoint {path} was trained with model.{name}={saved[name]!r} but the config says "
                 f"{model_config[name]!r}: use that run's config.yaml, or another checkpoint"
             )
+
+
+def load_training_state(trainer: L.Trainer, path: str) -> None:
+    """Weights and optimizer state from one of this run's checkpoints into the running model, on every rank, as
+    Lightning loads them on resume; the loops, the LR schedule and the data position stay where they are."""
+    checkpoint = trainer.strategy.load_checkpoint(path, weights_only=True)  # sharded: loads in place
+    trainer.lightning_module.on_load_checkpoint(checkpoint)
+    trainer.strategy.load_model_state_dict(checkpoint, strict=True)
+    trainer.strategy.load_optimizer_state_dict(checkpoint)

@@ -26,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from app import comm, consolidate
+from app.bad_steps import BadStepGuard
 from app.callbacks import PerRankSeed, PrintPredictions
 from app.checkpoints import RunCheckpoint, check_checkpoint, find_last_checkpoint
 from app.errors import UserError
@@ -74,6 +75,7 @@ class CohortCLI(LightningCLI):
             }
         )
         parser.add_lightning_class_args(RankMonitor, "monitor")  # per-rank timing, stragglers, MFU, memory
+        parser.add_lightning_class_args(BadStepGuard, "bad_steps")  # NaN, inf and loss spikes: stop, skip, rollback
         parser.add_argument(
             "--val_every_n_steps", type=int | None, default=None,
             help="validate every N optimizer steps (whatever the accumulation); None: once per epoch",

@@ -4,6 +4,7 @@ No ``from __future__ import annotations`` here: DDP checks the comm hook's annot
 """
 
 
+import hashlib
 import json
 import os
 import signal
@@ -259,3 +260,41 @@ class RecordWorldSize(Callback):
         seen = {"rank": trainer.global_rank, "world_size": trainer.world_size, "node_rank": trainer.node_rank,
                 "process_group_size": torch.distributed.get_world_size(), "host": os.uname().nodename}
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(seen))
+
+
+class PoisonGradientAtStep(Callback):
+    """Puts a NaN into one rank's gradients after the last backward of an optimizer step (after DDP averaged them,
+    so the other ranks' gradients stay finite): a test-only stand-in for a bad batch or a flipped bit."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank = rank
+        self.step = step  # 1-based, as logs and messages count steps
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step + 1 == self.step:
+            next(pl_module.parameters()).grad.view(-1)[0] = float("nan")
+
+
+class RecordWeightDigests(Callback):
+    """Writes, per rank, a digest of the weights after each optimizer step: {step: sha1 of every parameter's bytes}."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+        self.digests: dict[int, str] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            self.record(trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.record(trainer, pl_module)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.record(trainer, pl_module)
+
+    def record(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        digest = hashlib.sha1()
+        for param in pl_module.parameters():
+            digest.update(param.detach().cpu().numpy().tobytes())
+        self.digests[trainer.global_step] = digest.hexdigest()
+        (self.out_dir / f"digests_rank{trainer.global_rank}.json").write_text(json.dumps(self.digests))
