@@ -20,6 +20,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from app.cli import main
@@ -272,7 +273,9 @@ class PoisonGradientAtStep(Callback):
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if trainer.global_rank == self.rank and trainer.global_step + 1 == self.step:
-            next(pl_module.parameters()).grad.view(-1)[0] = float("nan")
+            grad = next(pl_module.parameters()).grad
+            local = grad.to_local() if isinstance(grad, DTensor) else grad  # this rank's shard, no collective
+            local.view(-1)[0] = float("nan")
 
 
 class RecordWeightDigests(Callback):
