@@ -95,11 +95,12 @@ class RunCheckpoint(ModelCheckpoint):
         if failed in (errno.ENOSPC, errno.EDQUOT):
             free = shutil.disk_usage(folder).free
             free_text = f"{free / 2**30:.1f} GiB" if free >= 2**30 else f"{free / 2**20:.1f} MiB"
-            return (f"step {trainer.global_step}: the disk is full ({reason}, {free_text} free in {folder_name}), so no "
-                    f"checkpoint was written and {kept}: free space there or point checkpoint.dirpath at another "
+            return (f"step {trainer.global_step}: the disk is full ({reason}, {free_text} free in {folder_name}), so "
+                    f"no checkpoint was written and {kept}: free space there or point checkpoint.dirpath at another "
                     f"disk, then resume with {resume}")
-        return (f"step {trainer.global_step}: writing a checkpoint in {folder_name} failed ({reason}), so none was "
-                f"written and {kept}: fix the folder or point checkpoint.dirpath elsewhere, then resume with {resume}")
+        return (f"step {trainer.global_step}: writing a checkpoint in {folder_name} failed ({reason}), so no "
+                f"checkpoint was written and {kept}: fix the folder or point checkpoint.dirpath elsewhere, then "
+                f"resume with {resume}")
 
     def _kept(self, trainer: L.Trainer) -> tuple[str, str]:
         """What a refused or failed save leaves to resume from, and the option that resumes from it: ``--ckpt_path
@@ -107,7 +108,7 @@ class RunCheckpoint(ModelCheckpoint):
         that overwrites the kept checkpoints."""
         previous = self.last_model_path or self._last_checkpoint_saved
         if not previous:
-            return "no checkpoint was written yet", "--ckpt_path last"
+            return "there is none from before", "--ckpt_path last"
         in_run_folder = trainer.log_dir is not None and (  # log_dir broadcasts: every rank comes here alike
             Path(self.dirpath).resolve() == Path(trainer.log_dir, "checkpoints").resolve())
         path = os.path.normpath(previous)
