@@ -16,6 +16,7 @@ import os
 import pickle
 import re
 import shutil
+import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -93,11 +94,14 @@ class RunCheckpoint(ModelCheckpoint):
         kept, resume = self._kept(trainer)
         folder_name, reason = os.path.normpath(folder), os.strerror(failed)
         if failed in (errno.ENOSPC, errno.EDQUOT):
-            free = shutil.disk_usage(folder).free
-            free_text = f"{free / 2**30:.1f} GiB" if free >= 2**30 else f"{free / 2**20:.1f} MiB"
-            return (f"step {trainer.global_step}: the disk is full ({reason}, {free_text} free in {folder_name}), so "
-                    f"no checkpoint was written and {kept}: free space there or point checkpoint.dirpath at another "
-                    f"disk, then resume with {resume}")
+            staging = tempfile.gettempdir()  # where Lightning writes a one-file checkpoint before copying it over
+            free, staging_free = shutil.disk_usage(folder).free, shutil.disk_usage(staging).free
+            where = f"{in_units(free)} free in {folder_name}"
+            if staging_free < free:
+                where += f", {in_units(staging_free)} in the temporary folder {staging}"
+            return (f"step {trainer.global_step}: the disk is full ({reason}, {where}), so no checkpoint was written "
+                    f"and {kept}: free space there or point checkpoint.dirpath at another disk, then resume with "
+                    f"{resume}")
         return (f"step {trainer.global_step}: writing a checkpoint in {folder_name} failed ({reason}), so no "
                 f"checkpoint was written and {kept}: fix the folder or point checkpoint.dirpath elsewhere, then "
                 f"resume with {resume}")
@@ -145,6 +149,10 @@ def non_finite_tensors(trainer: L.Trainer) -> list[str]:
     if not local or torch.stack([torch.isfinite(tensor).all().to(local[0].device) for tensor in local]).all():
         return []
     return [name for (name, _), tensor in zip(named, local) if not torch.isfinite(tensor).all()]
+
+
+def in_units(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
 
 
 def os_error_in(error: BaseException | None) -> OSError | None:

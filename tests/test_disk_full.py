@@ -93,6 +93,22 @@ def test_a_read_only_checkpoint_folder_stops_the_run_at_the_first_save(tmp_path:
     assert not list(folder.iterdir())
 
 
+def test_a_full_temporary_folder_is_named(tmp_path: Path, debug_run_args: list[str],
+                                          small_disk: Callable[[Path, str], Path],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning writes a one-file checkpoint to the temporary folder first, then copies it over: when that folder
+    is the full one, the line says so rather than only naming the checkpoint folder, which has room."""
+    staging = small_disk(tmp_path / "tmp", "size=256k")
+    monkeypatch.setenv("TMPDIR", str(staging))
+    result = run_cohort(["fit", *debug_run_args, *QUIET, *EVERY_2_STEPS, "--data.micro_batch_size", "4"], cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    [line] = error_lines(result)
+    assert line.startswith("cohort: error: step 2: the disk is full (No space left on device, ")
+    assert f" GiB free in {CHECKPOINTS}, 0." in line  # room where the checkpoint goes; under 1 MiB where it is staged
+    assert f" MiB in the temporary folder {staging}), so no checkpoint was written" in line
+    assert not list((tmp_path / CHECKPOINTS).iterdir()) and not list(staging.glob("tmp*"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, kept_step", [(DDP_2, 4), (MODEL_PARALLEL, 2)], ids=["ddp", "fsdp2-sharded"])
 def test_a_full_disk_stops_every_rank_alike(strategy: list[str], kept_step: int, tmp_path: Path,
