@@ -11,18 +11,22 @@ line is the documented escape hatch for a trusted file of another kind; it is of
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
 import shutil
+import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
+from weakref import proxy
 
 import lightning as L
 import torch
 from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from app.errors import UserError
@@ -39,27 +43,80 @@ class RunCheckpoint(ModelCheckpoint):
     Every checkpoint, a single file or a sharded folder, is written next to its target as ``NAME.partial`` by all
     ranks, then moved into place by rank 0: a run killed mid-write keeps the previous checkpoint. Nor is a poisoned
     one ever written: if any rank's weights or optimizer state hold NaN or inf, every rank stops with one line and
-    the previous checkpoint stays the newest.
+    the previous checkpoint stays the newest. A write that fails on any rank (a full disk, no permission) also
+    stops every rank with one line; the partial is removed and the previous checkpoint stays the newest.
     """
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         poisoned = non_finite_tensors(trainer)
         if trainer.strategy.reduce_boolean_decision(bool(poisoned), all=False):  # one flag, every rank decides alike
-            previous = self.last_model_path or self._last_checkpoint_saved
-            kept = f"{os.path.normpath(previous)} is kept" if previous else "no checkpoint was written yet"
+            kept, resume = self._kept(trainer)
             where = f"rank {trainer.global_rank}: {', '.join(poisoned[:3])}" if poisoned else "on another rank"
             raise UserError(f"step {trainer.global_step}: the weights or optimizer state hold NaN or inf ({where}), so "
                             f"no checkpoint was written and {kept}: lower model.learning_rate or set "
-                            "trainer.gradient_clip_val, then resume with --ckpt_path last")
+                            f"trainer.gradient_clip_val, then resume with {resume}")
         partial = Path(f"{filepath}.partial")
         if trainer.is_global_zero:
             remove_path(partial)  # left by a run killed while writing
         trainer.strategy.barrier("RunCheckpoint.partial")
-        super()._save_checkpoint(trainer, str(partial))  # returns once every rank has written its part
+        if failed := self._write(trainer, partial):
+            if trainer.is_global_zero:  # every rank is past its write: nothing adds to the partial any more
+                remove_path(partial)
+            raise UserError(self._write_failed(trainer, partial.parent, failed))
         if trainer.is_global_zero:
             replace_path(partial, Path(filepath))
         trainer.strategy.barrier("RunCheckpoint.replace")
+        self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
+
+    def _write(self, trainer: L.Trainer, partial: Path) -> int:
+        """Write this rank's part of the checkpoint to ``partial``; the worst error number of all ranks' writes, 0
+        if all succeeded. This is ``Trainer.save_checkpoint`` without its barrier, which a rank whose write failed
+        would never reach while the others waited there forever: all ranks agree on the outcome instead."""
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(self.save_weights_only)
+        try:
+            trainer.strategy.save_checkpoint(checkpoint, partial)
+            failed = 0
+        except (OSError, CheckpointException) as error:  # DCP raises the same CheckpointException on every rank
+            os_error = os_error_in(error)
+            if os_error is None:
+                raise
+            failed = os_error.errno or errno.EIO
+        worst = trainer.strategy.reduce(torch.tensor(failed, device=trainer.strategy.root_device), reduce_op="max")
+        return int(worst.item())
+
+    def _write_failed(self, trainer: L.Trainer, folder: Path, failed: int) -> str:
+        """The line every rank stops with when writing a checkpoint in ``folder`` failed with error number
+        ``failed`` on some rank."""
+        kept, resume = self._kept(trainer)
+        folder_name, reason = os.path.normpath(folder), os.strerror(failed)
+        if failed in (errno.ENOSPC, errno.EDQUOT):
+            staging = tempfile.gettempdir()  # where Lightning writes a one-file checkpoint before copying it over
+            free, staging_free = shutil.disk_usage(folder).free, shutil.disk_usage(staging).free
+            where = f"{in_units(free)} free in {folder_name}"
+            if staging_free < free:
+                where += f", {in_units(staging_free)} in the temporary folder {staging}"
+            return (f"step {trainer.global_step}: the disk is full ({reason}, {where}), so no checkpoint was written "
+                    f"and {kept}: free space there or point checkpoint.dirpath at another disk, then resume with "
+                    f"{resume}")
+        return (f"step {trainer.global_step}: writing a checkpoint in {folder_name} failed ({reason}), so no "
+                f"checkpoint was written and {kept}: fix the folder or point checkpoint.dirpath elsewhere, then "
+                f"resume with {resume}")
+
+    def _kept(self, trainer: L.Trainer) -> tuple[str, str]:
+        """What a refused or failed save leaves to resume from, and the option that resumes from it: ``--ckpt_path
+        last`` looks only in the logger's run folders, and from another checkpoint.dirpath would start a new run
+        that overwrites the kept checkpoints."""
+        previous = self.last_model_path or self._last_checkpoint_saved
+        if not previous:
+            return "there is none from before", "--ckpt_path last"
+        in_run_folder = trainer.log_dir is not None and (  # log_dir broadcasts: every rank comes here alike
+            Path(self.dirpath).resolve() == Path(trainer.log_dir, "checkpoints").resolve())
+        path = os.path.normpath(previous)
+        return f"{path} is kept", "--ckpt_path last" if in_run_folder else f"--ckpt_path {path}"
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._should_skip_saving_checkpoint(trainer):
@@ -92,6 +149,19 @@ def non_finite_tensors(trainer: L.Trainer) -> list[str]:
     if not local or torch.stack([torch.isfinite(tensor).all().to(local[0].device) for tensor in local]).all():
         return []
     return [name for (name, _), tensor in zip(named, local) if not torch.isfinite(tensor).all()]
+
+
+def in_units(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+
+
+def os_error_in(error: BaseException | None) -> OSError | None:
+    """The OSError behind a failed write: the error itself, one that a rank reported inside DCP's
+    CheckpointException (``failures`` maps each failed rank to its exception and traceback), or their cause."""
+    if error is None or isinstance(error, OSError):
+        return error
+    reported = [exception for exception, _ in error.failures.values()] if isinstance(error, CheckpointException) else []
+    return next(filter(None, map(os_error_in, [*reported, error.__cause__])), None)
 
 
 def replace_path(source: Path, target: Path) -> None:
