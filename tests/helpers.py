@@ -239,14 +239,16 @@ class PoisonWeightsBeforeCheckpoint(Callback):
 
 
 class KillRank(Callback):
-    """SIGKILL one rank's own process at a step, as a crashed GPU or an OOM-killed process would die."""
+    """SIGKILL one rank's own process at a step, as a crashed GPU or an OOM-killed process would die; only in the
+    first attempt of a torchrun job, so that the attempts torchrun restarts run through."""
 
     def __init__(self, rank: int, step: int) -> None:
         self.rank = rank
         self.step = step
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if trainer.global_rank == self.rank and trainer.global_step == self.step and first_attempt:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
