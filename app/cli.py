@@ -52,7 +52,7 @@ class CohortCLI(LightningCLI):
                     "init_args": {"save_dir": ".", "name": "lightning_logs"},
                 },
                 "use_distributed_sampler": False,  # the datamodule shards by rank itself
-                "callbacks": [PerRankSeed(), PreemptionCheckpoint(), PrintPredictions()],
+                "callbacks": [PerRankSeed(), PrintPredictions()],
             },
             save_config_kwargs={"overwrite": True},  # a resumed run rewrites its own config.yaml
             args=args,
@@ -77,6 +77,7 @@ class CohortCLI(LightningCLI):
         )
         parser.add_lightning_class_args(RankMonitor, "monitor")  # per-rank timing, stragglers, MFU, memory
         parser.add_lightning_class_args(BadStepGuard, "bad_steps")  # NaN, inf and loss spikes: stop, skip, rollback
+        parser.add_lightning_class_args(PreemptionCheckpoint, "preemption")  # SIGTERM, SIGUSR1: checkpoint, then stop
         parser.add_argument(
             "--val_every_n_steps", type=int | None, default=None,
             help="validate every N optimizer steps (whatever the accumulation); None: once per epoch",

@@ -209,6 +209,21 @@ class SlowRank(Callback):
             time.sleep(self.seconds)
 
 
+class SignalAllThenHang(Callback):
+    """One rank sends a signal to every rank (its process group), as Kubernetes does, then hangs inside its step, as
+    a rank stuck on a broken device would: the others wait for it in the step's gradient all-reduce."""
+
+    def __init__(self, signal_name: str, rank: int, step: int) -> None:
+        self.signum = signal.Signals[signal_name]
+        self.rank = rank
+        self.step = step
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.killpg(os.getpgid(0), self.signum)
+            time.sleep(600)
+
+
 class PerturbWeights(Callback):
     """Nudges one rank's weights once, as a bit flip or a bad update would, so replicas diverge."""
 

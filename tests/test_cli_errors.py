@@ -96,6 +96,7 @@ ONE_STEP = ["--trainer.max_steps", "1"]  # should a check let a run start, it en
     (["--model.temperature", "0"], "model.temperature=0.0 must be > 0"),
     (["--model.top_k", "0"], "model.top_k=0 must be >= 1, or null"),
     (["--data.num_workers", "-1"], "data.num_workers=-1 must be >= 0"),
+    (["--preemption.grace_seconds", "0"], "preemption.grace_seconds=0.0 must be > 0"),
     (["--data.val_samples", "0"], "data.val_samples=0 must be a positive integer, or null"),
     (["--trainer.num_nodes", "2"], "trainer.num_nodes=2 but no launcher started this process"),
 ], ids=lambda value: value if isinstance(value, str) and value.startswith("--") else None)
