@@ -21,13 +21,14 @@ from typing import Any
 
 from jsonargparse import Namespace
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from app import comm, consolidate
 from app.bad_steps import BadStepGuard
-from app.callbacks import PerRankSeed, PrintPredictions
+from app.callbacks import NcclFlightRecorder, PerRankSeed, PrintPredictions
 from app.checkpoints import RunCheckpoint, check_checkpoint, find_last_checkpoint
 from app.errors import UserError
 from app.launch import parent_start_time, torchrun_restart
@@ -132,6 +133,8 @@ class CohortCLI(LightningCLI):
 
     def before_fit(self) -> None:
         apply_batch_plan(self.trainer, self.model, self.datamodule, self.config.fit.val_every_n_steps)
+        if isinstance(self.trainer.accelerator, CUDAAccelerator):
+            self.trainer.callbacks.append(NcclFlightRecorder(Path(self.trainer.log_dir)))
         for callback in list(self.trainer.callbacks):
             if isinstance(callback, RankMonitor) and not callback.enabled:
                 self.trainer.callbacks.remove(callback)

@@ -41,7 +41,10 @@ is_host=$([[ "$node_rank" == 0 ]] && echo 1 || echo 0)
 # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a fresh store for the ranks of every attempt. torchrun's agent otherwise
 # lends its own rendezvous store to all attempts, and a restarted rank reads the dead ranks' addresses from it and
 # fails or hangs (pytorch/pytorch#135712).
-command=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 python -m torch.distributed.run
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=3: a timed-out NCCL collective ends the process (after the flight recorder's dump)
+# without aborting the communicator, which can hang; torchrun would pass 1 to the ranks.
+command=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}"
+  python -m torch.distributed.run
   --nnodes="$nnodes" --node_rank="$node_rank" --nproc_per_node="$nproc" --max-restarts="$max_restarts"
   --rdzv_backend=c10d --rdzv_endpoint="$master_addr:$master_port" --rdzv_id="$run_id" --rdzv_conf=is_host="$is_host"
   ${LOCAL_ADDR:+--local_addr="$LOCAL_ADDR"} -m app "$@")

@@ -64,7 +64,8 @@ def test_dry_run_prints_the_torchrun_command(tmp_path: Path) -> None:
            "MASTER_PORT": "1234", "NPROC_PER_NODE": "8", "RUN_ID": "job7"}
     printed = subprocess.run([TORCHRUN, "fit", "-c", "x.yaml"], env=env, capture_output=True, text=True, check=True)
     assert printed.stdout.split() == [
-        "env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "python", "-m", "torch.distributed.run", "--nnodes=2",
+        "env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "TORCH_NCCL_ASYNC_ERROR_HANDLING=3", "python", "-m",
+        "torch.distributed.run", "--nnodes=2",
         "--node_rank=1", "--nproc_per_node=8", "--max-restarts=3",
         "--rdzv_backend=c10d", "--rdzv_endpoint=node0:1234", "--rdzv_id=job7", "--rdzv_conf=is_host=0", "-m", "app", "fit", "-c", "x.yaml"]
 
