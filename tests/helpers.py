@@ -255,14 +255,15 @@ class PoisonWeightsBeforeCheckpoint(Callback):
 
 class KillRank(Callback):
     """SIGKILL one rank's own process at a step, as a crashed GPU or an OOM-killed process would die; only in the
-    first attempt of a torchrun job, so that the attempts torchrun restarts run through."""
+    first attempt of a torchrun or SLURM job, so that the attempts restarted or requeued after it run through."""
 
     def __init__(self, rank: int, step: int) -> None:
         self.rank = rank
         self.step = step
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        first_attempt = all(os.environ.get(count, "0") == "0" for count in ("TORCHELASTIC_RESTART_COUNT",
+                                                                            "SLURM_RESTART_COUNT"))
         if trainer.global_rank == self.rank and trainer.global_step == self.step and first_attempt:
             os.kill(os.getpid(), signal.SIGKILL)
 
