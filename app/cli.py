@@ -21,15 +21,17 @@ from typing import Any
 
 from jsonargparse import Namespace
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from app import comm, consolidate
 from app.bad_steps import BadStepGuard
-from app.callbacks import PerRankSeed, PrintPredictions
+from app.callbacks import NcclFlightRecorder, PerRankSeed, PrintPredictions
 from app.checkpoints import RunCheckpoint, check_checkpoint, find_last_checkpoint
 from app.errors import UserError
+from app.launch import parent_start_time, torchrun_restart
 from app.monitoring import RankMonitor, ReplicaDivergenceError
 from app.preemption import PreemptionCheckpoint, preemption_callback
 from app.run_plan import apply_batch_plan, check_launch, check_strategy, check_writable_folder, resolve_precision
@@ -51,7 +53,7 @@ class CohortCLI(LightningCLI):
                     "init_args": {"save_dir": ".", "name": "lightning_logs"},
                 },
                 "use_distributed_sampler": False,  # the datamodule shards by rank itself
-                "callbacks": [PerRankSeed(), PreemptionCheckpoint(), PrintPredictions()],
+                "callbacks": [PerRankSeed(), PrintPredictions()],
             },
             save_config_kwargs={"overwrite": True},  # a resumed run rewrites its own config.yaml
             args=args,
@@ -76,6 +78,7 @@ class CohortCLI(LightningCLI):
         )
         parser.add_lightning_class_args(RankMonitor, "monitor")  # per-rank timing, stragglers, MFU, memory
         parser.add_lightning_class_args(BadStepGuard, "bad_steps")  # NaN, inf and loss spikes: stop, skip, rollback
+        parser.add_lightning_class_args(PreemptionCheckpoint, "preemption")  # SIGTERM, SIGUSR1: checkpoint, then stop
         parser.add_argument(
             "--val_every_n_steps", type=int | None, default=None,
             help="validate every N optimizer steps (whatever the accumulation); None: once per epoch",
@@ -104,20 +107,25 @@ class CohortCLI(LightningCLI):
             config.weights_only = True
         if config.ckpt_path == "last":
             config.ckpt_path = self._resume_last(trainer)
+        elif config.ckpt_path is None and self.subcommand == "fit" and torchrun_restart() > 0:
+            # torchrun restarted the ranks after one failed: continue this job's run, not an older one in the folder
+            config.ckpt_path = self._resume_last(trainer, written_since=parent_start_time())
         if config.ckpt_path not in (None, "last"):
             check_checkpoint(Path(config.ckpt_path), config.model, config.weights_only)
         for what, folder in (("log folder", log_root(trainer)), ("checkpoint folder", config.checkpoint.dirpath)):
             if folder is not None:
                 check_writable_folder(Path(folder), what)
 
-    def _resume_last(self, trainer_config: Namespace) -> str | None:
-        """Resolve ``--ckpt_path last`` to the newest run's last.ckpt and log into that run's folder again."""
+    def _resume_last(self, trainer_config: Namespace, written_since: float = 0.0) -> str | None:
+        """Resolve ``--ckpt_path last`` to the newest run's last.ckpt, if written after ``written_since`` (seconds
+        since the epoch), and log into that run's folder again."""
         root = log_root(trainer_config)
         if root is None:
             return "last"  # another logger: Lightning's own lookup
         checkpoint = find_last_checkpoint(root)
-        if checkpoint is None:
-            rank_zero_info(f"--ckpt_path last: no checkpoint under {root}/version_*/checkpoints, starting a new run")
+        if checkpoint is None or checkpoint.lstat().st_mtime < written_since:
+            rank_zero_info(f"--ckpt_path last: no checkpoint under {root}/version_*/checkpoints"
+                           f"{' from this job' if written_since else ''}, starting a new run")
             return None
         trainer_config.logger.init_args.version = checkpoint.parent.parent.name
         rank_zero_info(f"resuming from {checkpoint}")
@@ -125,6 +133,8 @@ class CohortCLI(LightningCLI):
 
     def before_fit(self) -> None:
         apply_batch_plan(self.trainer, self.model, self.datamodule, self.config.fit.val_every_n_steps)
+        if isinstance(self.trainer.accelerator, CUDAAccelerator):
+            self.trainer.callbacks.append(NcclFlightRecorder(Path(self.trainer.log_dir)))
         for callback in list(self.trainer.callbacks):
             if isinstance(callback, RankMonitor) and not callback.enabled:
                 self.trainer.callbacks.remove(callback)

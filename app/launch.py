@@ -7,8 +7,10 @@ read the same environments.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -53,3 +55,17 @@ def join_process_group(launch: Launch, device: torch.device, timeout: timedelta 
                                 device_id=device)
     else:
         dist.init_process_group("gloo", rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+
+
+def torchrun_restart() -> int:
+    """How many times torchrun has restarted this job's ranks after a failure (0: the first attempt, or no torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def parent_start_time() -> float:
+    """When this process's parent started, in seconds since the epoch; for torchrun's ranks the parent is its agent,
+    which lives as long as the job. Linux's /proc counts a process's start in clock ticks after boot."""
+    stat = Path(f"/proc/{os.getppid()}/stat").read_text()
+    ticks = int(stat.rsplit(")", 1)[1].split()[19])  # starttime, field 22; the name before ")" may hold spaces
+    boot = int(re.search(r"^btime (\d+)$", Path("/proc/stat").read_text(), re.MULTILINE).group(1))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")

@@ -8,13 +8,23 @@ the same step; ``last.ckpt`` is written at that step (by the checkpoint callback
 not). After SIGUSR1 inside a SLURM job rank 0 then asks SLURM to requeue the job, whose batch script resumes with
 ``--ckpt_path last``. Otherwise the run stops: ``cohort`` exits with 128 + the signal's number (143 for SIGTERM)
 and one line saying how to resume, so a scheduler never takes the stop for success.
+
+A rank can also fail to reach that step: blocked in a collective with a peer that hangs. Python runs the handler
+only between bytecodes, never while a collective waits, so a thread hears each signal through the wakeup fd the
+moment it arrives; if the process is still alive ``grace_seconds`` later, it ends it with the same exit code and one
+line, before the scheduler's SIGKILL. Checkpoint writes go to ``.partial`` files first, so an exit mid-write loses
+nothing but that write.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import sys
+import threading
+import time
 from types import FrameType
 
 import lightning as L
@@ -23,18 +33,26 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
+from app.errors import check_ranges
+
 
 class PreemptionCheckpoint(Callback):
-    def __init__(self, requeue_signal: str = "SIGUSR1", stop_signal: str = "SIGTERM", requeue: bool = True) -> None:
+    def __init__(self, requeue_signal: str = "SIGUSR1", stop_signal: str = "SIGTERM", requeue: bool = True,
+                 grace_seconds: float = 25.0) -> None:
         """
         Args:
             requeue_signal: checkpoint, then requeue inside a SLURM job (SLURM's --signal, or scancel --signal).
             stop_signal: checkpoint, then stop with a non-zero exit (what Kubernetes and torchrun's agent send).
             requeue: ask SLURM to requeue the job after a requeue_signal (only inside a SLURM job).
+            grace_seconds: after either signal, the time the ranks get to reach the agreed step and save it before
+                the process ends without that checkpoint. Kubernetes and torchrun's agent send SIGKILL 30 s after
+                SIGTERM, so the default leaves 5 s to say so; SLURM's --signal=USR1@90 allows up to about 85.
         """
+        check_ranges("preemption", {"grace_seconds": (grace_seconds > 0, "> 0")}, locals())
         self.requeue_signal = signal.Signals[requeue_signal]
         self.stop_signal = signal.Signals[stop_signal]
         self.requeue = requeue
+        self.grace_seconds = grace_seconds
         self.requested = 0  # the number of the signal received, 0 for none
         self.stopped_by: signal.Signals | None = None  # set once all ranks stopped for a signal
         self.requeued = False
@@ -43,6 +61,11 @@ class PreemptionCheckpoint(Callback):
         # replaces Lightning's own SIGTERM handler, which stops the run without a checkpoint and exits 0
         for signum in (self.requeue_signal, self.stop_signal):
             signal.signal(signum, self._record_request)
+        heard, self._wakeup = socket.socketpair()  # kept: the socket closes when collected
+        self._wakeup.setblocking(False)  # the interpreter's C-level handler writes each signal's number here at once
+        signal.set_wakeup_fd(self._wakeup.fileno())
+        threading.Thread(target=self._end_after_grace, args=(heard, trainer.is_global_zero), daemon=True,
+                         name="preemption-grace").start()
         # the flag travels through a CPU (gloo) group: on NCCL a GPU tensor read back every step would stall the
         # device queue once per step
         self._group = None
@@ -54,6 +77,19 @@ class PreemptionCheckpoint(Callback):
 
     def _record_request(self, signum: int, frame: FrameType | None) -> None:
         self.requested = max(self.requested, signum)  # nothing else is safe inside a signal handler
+
+    def _end_after_grace(self, heard: socket.socket, is_global_zero: bool) -> None:
+        """Waits for a stop or requeue signal, then ``grace_seconds``; a process still alive then is stuck."""
+        signum = 0
+        while signum not in (self.requeue_signal, self.stop_signal):
+            signum = heard.recv(1)[0]
+        time.sleep(self.grace_seconds)
+        if is_global_zero:
+            print(f"cohort: stopped by {signal.Signals(signum).name} without a checkpoint: the ranks did not reach a "
+                  f"step and save it within preemption.grace_seconds={self.grace_seconds:g} (a rank blocked in a "
+                  "collective, or a step and save longer than that); resume from the newest checkpoint with the same "
+                  "command and --ckpt_path last", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object, batch: object,
                            batch_idx: int) -> None:

@@ -152,6 +152,12 @@ def check_launch(trainer: Namespace) -> None:
     expected = expected_world_size(trainer)
     if TorchElasticEnvironment.detect():
         launcher, started = "torchrun", int(os.environ["WORLD_SIZE"])
+        restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+        if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            raise UserError("torchrun --max-restarts here lends its rendezvous store to every attempt, so a restarted "
+                            "rank would read the dead ranks' addresses and fail or hang (pytorch/pytorch#135712): "
+                            "launch with scripts/torchrun.sh, or set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and give "
+                            "torchrun --standalone (one node) or --rdzv-backend c10d (several)")
     elif SLURMEnvironment.detect():
         launcher, started = "srun", int(os.environ["SLURM_NTASKS"])
     elif int(trainer.num_nodes) > 1:

@@ -12,6 +12,8 @@
 # MASTER_PORT      free TCP port on node 0 for the c10d rendezvous (29500)
 # RUN_ID           rendezvous id shared by the nodes of one job ($SLURM_JOB_ID or "cohort")
 # LOCAL_ADDR       this node's address as the other nodes reach it (default: what its hostname resolves to)
+# MAX_RESTARTS     times torchrun restarts all ranks after one fails (3); a restarted run resumes from its newest
+#                  checkpoint by itself, losing at most the steps since it. 0 makes a failure end the job.
 # The trainer config must agree: trainer.num_nodes = NNODES and trainer.devices = NPROC_PER_NODE.
 # On clusters whose hostname resolves to 127.0.0.1, set LOCAL_ADDR, and NCCL_SOCKET_IFNAME (GPUs) or
 # GLOO_SOCKET_IFNAME (CPUs) to the interface that carries it, or other nodes are told to connect to loopback.
@@ -22,6 +24,8 @@ node_rank=${NODE_RANK:-0}
 master_addr=${MASTER_ADDR:-127.0.0.1}
 master_port=${MASTER_PORT:-29500}
 run_id=${RUN_ID:-${SLURM_JOB_ID:-cohort}}
+max_restarts=${MAX_RESTARTS:-3}  # enough for rare faults (a lost rank, a flaky link); a bug that fails every time
+                                 # costs 4 attempts, then the job ends with torchrun's report
 if [[ -n "${NPROC_PER_NODE:-}" ]]; then
   nproc=$NPROC_PER_NODE
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -34,8 +38,14 @@ fi
 # fails where the hostname resolves to 127.0.0.1.
 is_host=$([[ "$node_rank" == 0 ]] && echo 1 || echo 0)
 
-command=(python -m torch.distributed.run
-  --nnodes="$nnodes" --node_rank="$node_rank" --nproc_per_node="$nproc"
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a fresh store for the ranks of every attempt. torchrun's agent otherwise
+# lends its own rendezvous store to all attempts, and a restarted rank reads the dead ranks' addresses from it and
+# fails or hangs (pytorch/pytorch#135712).
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=3: a timed-out NCCL collective ends the process (after the flight recorder's dump)
+# without aborting the communicator, which can hang; torchrun would pass 1 to the ranks.
+command=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}"
+  python -m torch.distributed.run
+  --nnodes="$nnodes" --node_rank="$node_rank" --nproc_per_node="$nproc" --max-restarts="$max_restarts"
   --rdzv_backend=c10d --rdzv_endpoint="$master_addr:$master_port" --rdzv_id="$run_id" --rdzv_conf=is_host="$is_host"
   ${LOCAL_ADDR:+--local_addr="$LOCAL_ADDR"} -m app "$@")
 

@@ -210,6 +210,21 @@ class SlowRank(Callback):
             time.sleep(self.seconds)
 
 
+class SignalAllThenHang(Callback):
+    """One rank sends a signal to every rank (its process group), as Kubernetes does, then hangs inside its step, as
+    a rank stuck on a broken device would: the others wait for it in the step's gradient all-reduce."""
+
+    def __init__(self, signal_name: str, rank: int, step: int) -> None:
+        self.signum = signal.Signals[signal_name]
+        self.rank = rank
+        self.step = step
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.killpg(os.getpgid(0), self.signum)
+            time.sleep(600)
+
+
 class PerturbWeights(Callback):
     """Nudges one rank's weights once, as a bit flip or a bad update would, so replicas diverge."""
 
@@ -240,14 +255,17 @@ class PoisonWeightsBeforeCheckpoint(Callback):
 
 
 class KillRank(Callback):
-    """SIGKILL one rank's own process at a step, as a crashed GPU or an OOM-killed process would die."""
+    """SIGKILL one rank's own process at a step, as a crashed GPU or an OOM-killed process would die; only in the
+    first attempt of a torchrun or SLURM job, so that the attempts restarted or requeued after it run through."""
 
     def __init__(self, rank: int, step: int) -> None:
         self.rank = rank
         self.step = step
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+        first_attempt = all(os.environ.get(count, "0") == "0" for count in ("TORCHELASTIC_RESTART_COUNT",
+                                                                            "SLURM_RESTART_COUNT"))
+        if trainer.global_rank == self.rank and trainer.global_step == self.step and first_attempt:
             os.kill(os.getpid(), signal.SIGKILL)
 
 

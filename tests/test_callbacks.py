@@ -1,13 +1,16 @@
-"""Per-rank seeding and checkpoints moved into place whole."""
+"""Per-rank seeding, checkpoints moved into place whole, and the NCCL flight recorder's settings."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
+import torch.distributed.distributed_c10d
 
-from app.callbacks import PerRankSeed
+from app.callbacks import NcclFlightRecorder, PerRankSeed
 from app.checkpoints import replace_path
 
 
@@ -58,3 +61,19 @@ def test_last_is_relinked_to_the_newest_checkpoint_over_a_link_or_an_older_whole
         replace_path(link, target)
         assert target.is_symlink() and read_step(target) == step
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=1.ckpt", "step=2.ckpt", "step=3.ckpt"]
+
+
+def test_the_flight_recorder_dumps_into_the_run_folder_unless_the_user_said_otherwise(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    recorder = NcclFlightRecorder(tmp_path / "version_3")
+    assert int(os.environ["TORCH_FR_BUFFER_SIZE"]) > 0 and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "version_3" / "flight_recorder" / "rank_")
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert not recorder.folder.exists()  # made only once the process group exists
+    recorder.setup(None, None, "fit")
+    assert recorder.folder.is_dir()
+    # the name this torch reads for the buffer (the older TORCH_NCCL_TRACE_BUFFER_SIZE is its fallback)
+    assert "TORCH_FR_BUFFER_SIZE" in Path(torch.distributed.distributed_c10d.__file__).read_text()

@@ -96,6 +96,7 @@ ONE_STEP = ["--trainer.max_steps", "1"]  # should a check let a run start, it en
     (["--model.temperature", "0"], "model.temperature=0.0 must be > 0"),
     (["--model.top_k", "0"], "model.top_k=0 must be >= 1, or null"),
     (["--data.num_workers", "-1"], "data.num_workers=-1 must be >= 0"),
+    (["--preemption.grace_seconds", "0"], "preemption.grace_seconds=0.0 must be > 0"),
     (["--data.val_samples", "0"], "data.val_samples=0 must be a positive integer, or null"),
     (["--trainer.num_nodes", "2"], "trainer.num_nodes=2 but no launcher started this process"),
 ], ids=lambda value: value if isinstance(value, str) and value.startswith("--") else None)
@@ -114,6 +115,16 @@ def test_a_launcher_that_started_other_processes_than_the_config_says(debug_run_
     monkeypatch.chdir(tmp_path)
     assert "torchrun started 4 processes but trainer.devices=1 x trainer.num_nodes=1 = 1" in one_line_error(
         ["fit", *debug_run_args, "--trainer.devices", "1", *ONE_STEP], monkeypatch)
+
+
+def test_torchrun_restarts_onto_its_shared_rendezvous_store_are_refused(debug_run_args: list[str], tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {"TORCHELASTIC_RUN_ID": "none", "RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0",
+                        "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "1", "TORCHELASTIC_MAX_RESTARTS": "1",
+                        "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():  # torchrun --max-restarts 1, static rendezvous
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in one_line_error(["fit", *debug_run_args, *ONE_STEP], monkeypatch)
 
 
 def test_log_and_checkpoint_folders_that_cannot_be_made(debug_run_args: list[str], tmp_path: Path,

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import QUIET, REPO_ROOT, free_port
+from app.cli import main
+from tests.helpers import DDP_2, QUIET, REPO_ROOT, assert_weights_equal, fit, free_port, last_checkpoint_weights
 
 pytestmark = pytest.mark.slow
 TORCHRUN = str(REPO_ROOT / "scripts" / "torchrun.sh")
@@ -63,7 +64,9 @@ def test_dry_run_prints_the_torchrun_command(tmp_path: Path) -> None:
            "MASTER_PORT": "1234", "NPROC_PER_NODE": "8", "RUN_ID": "job7"}
     printed = subprocess.run([TORCHRUN, "fit", "-c", "x.yaml"], env=env, capture_output=True, text=True, check=True)
     assert printed.stdout.split() == [
-        "python", "-m", "torch.distributed.run", "--nnodes=2", "--node_rank=1", "--nproc_per_node=8",
+        "env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "TORCH_NCCL_ASYNC_ERROR_HANDLING=3", "python", "-m",
+        "torch.distributed.run", "--nnodes=2",
+        "--node_rank=1", "--nproc_per_node=8", "--max-restarts=3",
         "--rdzv_backend=c10d", "--rdzv_endpoint=node0:1234", "--rdzv_id=job7", "--rdzv_conf=is_host=0", "-m", "app", "fit", "-c", "x.yaml"]
 
 
@@ -120,12 +123,47 @@ def test_a_killed_rank_stops_the_job_with_a_clear_message(tmp_path: Path, debug_
             "--trainer.max_steps", "50", "--data.global_batch_size", "4", "--data.micro_batch_size", "2",
             "--trainer.callbacks+=tests.helpers.KillRank", "--trainer.callbacks.rank=1", "--trainer.callbacks.step=3"]
     start = time.monotonic()
-    job = launch(args, tmp_path, NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    job = launch(args, tmp_path, NPROC_PER_NODE="2", MASTER_PORT=str(free_port()), MAX_RESTARTS="0")
     output = outputs_of([job], timeout=180)[0]
     elapsed = time.monotonic() - start
     assert job.returncode != 0
     assert elapsed < 120, f"took {elapsed:.0f} s to notice a dead rank"
     assert "Signal 9 (SIGKILL)" in output and "rank      : 1" in output, output[-3000:]
+
+
+def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_interrupted(tmp_path: Path,
+                                                                              debug_run_args: list[str]) -> None:
+    """SIGKILL of rank 1 in step 5, checkpoints every 3 steps: torchrun restarts both ranks, they resume from step 3
+    by themselves (no --ckpt_path), and the final weights are bitwise those of a run never interrupted."""
+    run = [*debug_run_args, *DDP_2, "--trainer.max_steps", "8", "--checkpoint.every_n_train_steps", "3",
+           "--model.dropout", "0.1", "--data.global_batch_size", "4", "--data.micro_batch_size", "2"]
+    restarted = tmp_path / "restarted"
+    restarted.mkdir()
+    job = launch(["fit", *run, *QUIET, "--trainer.callbacks+=tests.helpers.KillRank", "--trainer.callbacks.rank=1",
+                  "--trainer.callbacks.step=5"], restarted, NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    output = outputs_of([job], timeout=300)[0]
+    assert job.returncode == 0, output[-3000:]
+    assert "failed (exitcode: -9) local_rank: 1" in output, output[-3000:]  # it did die, and only once
+    assert output.count("resuming from lightning_logs/version_0/checkpoints/last.ckpt") == 1
+    assert not (restarted / "lightning_logs" / "version_1").exists()
+    straight = fit(tmp_path / "straight", run)
+    assert_weights_equal(last_checkpoint_weights(straight), last_checkpoint_weights(restarted))
+
+
+def test_a_restart_does_not_resume_a_checkpoint_older_than_the_job(tmp_path: Path, debug_run_args: list[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """An attempt that died before its first checkpoint leaves only an older run's in the folder: start anew."""
+    old = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    old.parent.mkdir(parents=True)
+    old.write_text("an older run's; read as a checkpoint, it would stop the run")
+    os.utime(old, (time.time() - 86400,) * 2)
+    for name, value in {"TORCHELASTIC_RUN_ID": "job", "RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0",
+                        "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    main(["fit", *debug_run_args, *QUIET, "--trainer.max_steps", "1", "--data.global_batch_size", "2",
+          "--data.micro_batch_size", "2"])
+    assert (tmp_path / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt").exists()
 
 
 def test_doctor_passes_on_a_good_setup(tmp_path: Path, byte_corpus: Path) -> None:

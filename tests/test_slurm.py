@@ -1,5 +1,5 @@
-"""A real single-node SLURM (slurmctld + slurmd from Debian, started here): the project's sbatch script trains,
-and a preempted job checkpoints, requeues itself and resumes to the weights of an uninterrupted run.
+"""A real single-node SLURM (slurmctld + slurmd from Debian, started here): the project's sbatch script trains, and
+a preempted job, or one whose task crashed, requeues itself and resumes to the weights of an uninterrupted run.
 
 .ci/run installs the daemons; where they are missing, these tests are skipped and say so.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import QUIET, REPO_ROOT, free_port, last_checkpoint_weights, run_cohort
+from tests.helpers import QUIET, REPO_ROOT, assert_weights_equal, free_port, last_checkpoint_weights, run_cohort
 
 pytestmark = [
     pytest.mark.slow,
@@ -148,3 +148,26 @@ def test_preempted_job_requeues_and_resumes_to_the_same_weights(slurm: dict[str,
     assert result.returncode == 0, result.stderr[-3000:]
     interrupted, uninterrupted = last_checkpoint_weights(job_dir), last_checkpoint_weights(straight)
     assert all(torch.equal(interrupted[name], uninterrupted[name]) for name in uninterrupted)
+
+
+def test_a_crashed_task_requeues_the_job_which_resumes_to_the_same_weights(slurm: dict[str, str], tmp_path: Path,
+                                                                           debug_run_args: list[str]) -> None:
+    """SIGKILL of rank 1 in step 5, checkpoints every 3 steps: srun ends the step, the script requeues the job, the
+    requeued job resumes from step 3 and ends with the weights of a run never interrupted."""
+    run = [*debug_run_args, *QUIET, "--trainer.devices", "2", "--trainer.strategy", "ddp",
+           "--trainer.max_steps", "8", "--data.global_batch_size", "4", "--data.micro_batch_size", "2",
+           "--checkpoint.every_n_train_steps", "3", "--model.dropout", "0.1"]
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    job_id = submit(slurm, job_dir, [*run, "--trainer.callbacks+=tests.helpers.KillRank", "--trainer.callbacks.rank=1",
+                                     "--trainer.callbacks.step=5"])
+    state = wait_until_finished(slurm, job_id, timeout=300)
+    log = (job_dir / f"slurm-{job_id}.out").read_text()
+    assert state == "COMPLETED", log[-4000:]
+    assert "(restart 1)" in log and "resuming from lightning_logs/version_0/checkpoints/last.ckpt" in log
+
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    result = run_cohort(["fit", *run], cwd=straight)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_weights_equal(last_checkpoint_weights(straight), last_checkpoint_weights(job_dir))

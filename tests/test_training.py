@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -114,6 +115,25 @@ def test_sigterm_checkpoints_its_step_exits_143_and_resumes_bitwise_exact(
     assert checkpoint["global_step"] == 5
     fit(stopped, run, "--ckpt_path", "last")
     assert_weights_equal(last_checkpoint_weights(uninterrupted("32-true", layout)), last_checkpoint_weights(stopped))
+
+
+def test_a_rank_blocked_in_a_collective_ends_within_the_grace_time_after_sigterm(tmp_path: Path,
+                                                                                 debug_run_args: list[str]) -> None:
+    """SIGTERM to both ranks while rank 1 hangs in step 3: rank 0 waits in the all-reduce and never reaches a step
+    boundary, so after preemption.grace_seconds both processes end by themselves, exit 143, and say so in one line."""
+    start = time.monotonic()
+    result = run_cohort(["fit", *debug_run_args, *QUIET, *DDP_2, "--trainer.max_steps", "50",
+                         "--data.global_batch_size", "4", "--data.micro_batch_size", "2",
+                         "--preemption.grace_seconds", "3", "--trainer.callbacks+=tests.helpers.SignalAllThenHang",
+                         "--trainer.callbacks.signal_name=SIGTERM", "--trainer.callbacks.rank=1",
+                         "--trainer.callbacks.step=3"], cwd=tmp_path)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 143, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "cohort: stopped by SIGTERM without a checkpoint: the ranks did not reach a step and save it within "
+        "preemption.grace_seconds=3 (a rank blocked in a collective, or a step and save longer than that); resume "
+        "from the newest checkpoint with the same command and --ckpt_path last")
+    assert elapsed < 60, f"took {elapsed:.0f} s"  # the hang lasts 600 s, the collective timeout 30 min
 
 
 def test_validation_loss_is_the_same_on_one_and_two_processes(tmp_path: Path, debug_run_args: list[str]) -> None:
