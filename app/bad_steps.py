@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.tensor import DTensor
 
-from app.checkpoints import load_training_state
+from app.checkpoints import RunCheckpoint, load_training_state
 from app.errors import UserError, check_ranges
 
 Action = Literal["stop", "skip", "rollback"]
@@ -211,8 +211,9 @@ def copy_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event |
 
 def kept(trainer: L.Trainer) -> str:
     """Which checkpoint holds the newest good state, and what to do, for a message."""
-    last = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
-    if not last:
+    callback = trainer.checkpoint_callback
+    if not isinstance(callback, RunCheckpoint) or not callback.last_model_path:
         return "no checkpoint was written yet: lower model.learning_rate or set trainer.gradient_clip_val and start again"
-    return (f"{os.path.realpath(last)} is the newest good checkpoint: lower model.learning_rate or set "
-            "trainer.gradient_clip_val and resume with --ckpt_path last")
+    kept, resume = callback.kept_and_resume(trainer)
+    return (f"{kept}, the newest good checkpoint: lower model.learning_rate or set trainer.gradient_clip_val and "
+            f"resume with {resume}")

@@ -50,7 +50,7 @@ class RunCheckpoint(ModelCheckpoint):
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         poisoned = non_finite_tensors(trainer)
         if trainer.strategy.reduce_boolean_decision(bool(poisoned), all=False):  # one flag, every rank decides alike
-            kept, resume = self._kept(trainer)
+            kept, resume = self.kept_and_resume(trainer)
             where = f"rank {trainer.global_rank}: {', '.join(poisoned[:3])}" if poisoned else "on another rank"
             raise UserError(f"step {trainer.global_step}: the weights or optimizer state hold NaN or inf ({where}), so "
                             f"no checkpoint was written and {kept}: lower model.learning_rate or set "
@@ -91,7 +91,7 @@ class RunCheckpoint(ModelCheckpoint):
     def _write_failed(self, trainer: L.Trainer, folder: Path, failed: int) -> str:
         """The line every rank stops with when writing a checkpoint in ``folder`` failed with error number
         ``failed`` on some rank."""
-        kept, resume = self._kept(trainer)
+        kept, resume = self.kept_and_resume(trainer)
         folder_name, reason = os.path.normpath(folder), os.strerror(failed)
         if failed in (errno.ENOSPC, errno.EDQUOT):
             staging = tempfile.gettempdir()  # where Lightning writes a one-file checkpoint before copying it over
@@ -106,7 +106,7 @@ class RunCheckpoint(ModelCheckpoint):
                 f"checkpoint was written and {kept}: fix the folder or point checkpoint.dirpath elsewhere, then "
                 f"resume with {resume}")
 
-    def _kept(self, trainer: L.Trainer) -> tuple[str, str]:
+    def kept_and_resume(self, trainer: L.Trainer) -> tuple[str, str]:
         """What a refused or failed save leaves to resume from, and the option that resumes from it: ``--ckpt_path
         last`` looks only in the logger's run folders, and from another checkpoint.dirpath would start a new run
         that overwrites the kept checkpoints."""

@@ -297,7 +297,8 @@ class PoisonGradientAtStep(Callback):
 
 
 class RecordWeightDigests(Callback):
-    """Writes, per rank, a digest of the weights after each optimizer step: {step: sha1 of every parameter's bytes}."""
+    """Writes, per rank, a digest of its weights (its shards, if sharded) after each optimizer step: {step: sha1 of
+    every parameter's bytes}."""
 
     def __init__(self, out_dir: str) -> None:
         self.out_dir = Path(out_dir)
@@ -316,6 +317,7 @@ class RecordWeightDigests(Callback):
     def record(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         digest = hashlib.sha1()
         for param in pl_module.parameters():
-            digest.update(param.detach().cpu().numpy().tobytes())
+            local = param.to_local() if isinstance(param, DTensor) else param  # this rank's shard
+            digest.update(local.detach().cpu().clone().numpy().tobytes())  # a copy: FSDP2 resizes its storage
         self.digests[trainer.global_step] = digest.hexdigest()
         (self.out_dir / f"digests_rank{trainer.global_rank}.json").write_text(json.dumps(self.digests))

@@ -15,15 +15,16 @@ import torch
 from app.bad_steps import MIN_SPIKE_HISTORY, BadStepGuard
 from app.checkpoints import read_checkpoint
 from app.cli import main
-from tests.helpers import DDP_2, QUIET, one_line_error, run_cohort, scalars
+from tests.helpers import DDP_2, QUIET, REPO_ROOT, one_line_error, run_cohort, scalars
 
 POISONED_RANK = 1
 
 
-def poisoned_run(run_dir: Path, debug_run_args: list[str], action: str, step: int) -> subprocess.CompletedProcess:
-    """8 steps of DDP-2, checkpointing every 2, with rank 1's gradients poisoned at ``step``."""
+def poisoned_run(run_dir: Path, debug_run_args: list[str], action: str, step: int,
+                 layout: list[str]) -> subprocess.CompletedProcess:
+    """8 steps on 2 processes, checkpointing every 2, with rank 1's gradients poisoned at ``step``."""
     run_dir.mkdir()
-    return run_cohort(["fit", *debug_run_args, *QUIET, *DDP_2, "--trainer.max_steps", "8",
+    return run_cohort(["fit", *debug_run_args, *QUIET, *layout, "--trainer.max_steps", "8",
                        "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
                        "--checkpoint.every_n_train_steps", "2", "--bad_steps.action", action,
                        "--trainer.callbacks+=tests.helpers.PoisonGradientAtStep",
@@ -40,17 +41,22 @@ def runs(tmp_path_factory: pytest.TempPathFactory, debug_run_args: list[str]) ->
     def get(action: str, step: int) -> tuple[subprocess.CompletedProcess, Path]:
         if (action, step) not in done:
             run_dir = tmp_path_factory.mktemp(action) / "run"
-            done[action, step] = poisoned_run(run_dir, debug_run_args, action, step), run_dir
+            done[action, step] = poisoned_run(run_dir, debug_run_args, action, step, DDP_2), run_dir
         return done[action, step]
 
     return get
 
 
+def digests_per_rank(run_dir: Path) -> list[dict[int, str]]:
+    return [{int(step): digest for step, digest in json.loads((run_dir / f"digests_rank{rank}.json").read_text()).items()}
+            for rank in (0, 1)]
+
+
 def digests(run_dir: Path) -> dict[int, str]:
     """Weight digests by step, the same on both ranks (else the replicas diverged)."""
-    per_rank = [json.loads((run_dir / f"digests_rank{rank}.json").read_text()) for rank in (0, 1)]
+    per_rank = digests_per_rank(run_dir)
     assert per_rank[0] == per_rank[1], "the ranks' weights differ"
-    return {int(step): digest for step, digest in per_rank[0].items()}
+    return per_rank[0]
 
 
 def assert_no_checkpoint_holds_nan(run_dir: Path) -> list[Path]:
@@ -80,7 +86,7 @@ def test_stop_ends_both_ranks_with_one_line_and_keeps_the_last_good_checkpoint(r
     errors = {line for line in result.stderr.splitlines() if line.startswith("cohort: error:")}
     assert len(errors) == 1, errors  # each rank says the same
     assert f"step 3: the loss or gradients were NaN or inf on rank {POISONED_RANK} of 2" in min(errors)
-    assert "step=000002.ckpt is the newest good checkpoint" in min(errors)
+    assert "last.ckpt is kept, the newest good checkpoint" in min(errors)
     after = digests(run_dir)
     assert max(after) == 4 and after[3] == after[2]  # stopped after reading step 3's verdict, one step later
     assert [path.name for path in assert_no_checkpoint_holds_nan(run_dir)] == ["step=000002.ckpt"]
@@ -96,6 +102,17 @@ def test_rollback_reloads_the_last_checkpoint_on_every_rank_and_goes_on(runs: Ca
     assert after[6] == after[4]  # read one step later: step 6's update was replaced by step 4's checkpoint
     assert after[7] != after[6] and max(after) == 8  # and training went on to the end
     assert len(assert_no_checkpoint_holds_nan(run_dir)) == 2
+
+
+@pytest.mark.slow
+def test_rollback_reloads_a_sharded_checkpoint(tmp_path: Path, debug_run_args: list[str]) -> None:
+    """FSDP2 over 2 processes: each rank reloads its own shards from the checkpoint folder."""
+    result = poisoned_run(tmp_path / "run", debug_run_args, "rollback", 5,
+                          ["-c", str(REPO_ROOT / "configs/trainer/model_parallel_cpu.yaml")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rolled back every rank to" in result.stderr and "step=000004.ckpt" in result.stderr
+    for after in digests_per_rank(tmp_path / "run"):  # the ranks hold different shards: each against itself
+        assert after[5] == after[4] and after[6] == after[4] and after[7] != after[6] and max(after) == 8
 
 
 def test_a_diverging_run_stops_at_its_first_nan(debug_run_args: list[str], tmp_path: Path,
