@@ -14,12 +14,13 @@ from tests.helpers import QUIET, one_line_error, run_cohort
 
 
 def assert_one_line_error(args: list[str], cwd: Path, expected: str) -> None:
+    runs_before = sorted(cwd.glob("lightning_logs/version_*"))
     result = run_cohort(args, cwd=cwd, timeout=120)
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("cohort: error: ") and expected in last_line, result.stderr[-3000:]
-    assert not (cwd / "lightning_logs" / "version_1").exists(), "a failed start must not create a run"
+    assert sorted(cwd.glob("lightning_logs/version_*")) == runs_before, "a failed start must not create a run"
 
 
 @pytest.fixture

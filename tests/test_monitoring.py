@@ -75,16 +75,16 @@ def test_flop_count_matches_a_hand_computed_case() -> None:
     assert measured_flops_per_token(gpt2, 1024) == pytest.approx(formula, rel=0.002)
 
 
-@pytest.mark.parametrize(("world_size", "accumulation"), [(1, 1), (1, 4), (2, 1), (2, 4)])
-def test_tokens_per_second_and_mfu_do_not_depend_on_world_size_or_accumulation(world_size: int,
-                                                                                accumulation: int) -> None:
-    """Global batch 32 x 128 tokens per optimizer step, 0.5 s per step: the same numbers however it is split."""
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_tokens_per_second_and_mfu_do_not_depend_on_world_size(world_size: int) -> None:
+    """Global batch 32 x 128 tokens per optimizer step, 0.5 s per step: the same numbers however it is split (the
+    report works from whole optimizer steps, so accumulation never enters it)."""
     monitor = RankMonitor(peak_tflops=100.0)
     monitor.tokens_per_step, monitor.samples_per_step = 32 * 128, 32
     monitor.flops_per_token, monitor.peak, monitor.hosts = 1e9, 100.0, ["h"] * world_size
     logged: dict[str, float] = {}
     logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.update(metrics))
-    trainer = SimpleNamespace(world_size=world_size, accumulate_grad_batches=accumulation, is_global_zero=True,
+    trainer = SimpleNamespace(world_size=world_size, is_global_zero=True,
                               loggers=[logger], global_step=10, datamodule=SimpleNamespace(num_workers=0))
     per_rank = {name: [0.1] * world_size for name in ("data_wait_s", "compute_s", "sync_wait_s", "loss", "loss_std",
                                                       "host_rss_gib", "cuda_peak_allocated_gib",

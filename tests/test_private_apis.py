@@ -1,0 +1,73 @@
+"""The private Lightning and torch APIs Cohort relies on, in one place, each with why; an upgrade that removes or
+changes one fails here, by name, instead of somewhere in a run. pyproject.toml pins the Lightning minor version
+these were checked against (2.6)."""
+
+from __future__ import annotations
+
+import inspect
+
+import lightning as L
+import pytest
+import torch
+from lightning.fabric.utilities import load
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+# (owner, attribute, who uses it and why)
+PRIVATE_METHODS = [
+    (ModelCheckpoint, "_save_checkpoint", "app/checkpoints.py RunCheckpoint: write NAME.partial, rename into place"),
+    (ModelCheckpoint, "_link_checkpoint", "RunCheckpoint: replace last.ckpt's link atomically"),
+    (ModelCheckpoint, "_save_topk_checkpoint", "RunCheckpoint.on_train_end: keep the final step in the history"),
+    (ModelCheckpoint, "_save_last_checkpoint", "RunCheckpoint.on_train_end: last.ckpt at the final step"),
+    (ModelCheckpoint, "_should_skip_saving_checkpoint", "RunCheckpoint.on_train_end: not twice for one step"),
+    (ModelCheckpoint, "_monitor_candidates", "RunCheckpoint.on_train_end: the values a filename is made of"),
+    (LightningCLI, "_parse_ckpt_path", "app/cli.py: keep the user's model config instead of the checkpoint's"),
+    (load, "_load_distributed_checkpoint", "app/consolidate.py: a sharded folder as full tensors"),
+    (torch, "_foreach_mul_", "models/parallelize.py: scale every mesh's gradients in one call when clipping"),
+]
+PRIVATE_ATTRIBUTES = [
+    ("checkpoint", "_last_checkpoint_saved", "RunCheckpoint: the newest file, for messages and the history"),
+    ("checkpoint", "_last_global_step_saved", "RunCheckpoint._write replaces Trainer.save_checkpoint"),
+    ("trainer", "_checkpoint_connector", "RunCheckpoint._write: dump_checkpoint without the barrier after it"),
+    ("module", "_trainer", "models/language_model.py configure_model: the trainer or None, without raising"),
+    ("model_parallel", "_data_parallel_size", "app/run_plan.py: the sizes as configured, before setup"),
+    ("model_parallel", "_tensor_parallel_size", "app/run_plan.py: the sizes as configured, before setup"),
+    ("fused_adamw", "_step_supports_amp_scaling", "bad_steps, language_model: the step reads found_inf itself"),
+]
+
+
+def instances() -> dict[str, object]:
+    fused_adamw = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], fused=True)
+    return {"checkpoint": ModelCheckpoint(), "trainer": L.Trainer(logger=False, enable_checkpointing=False),
+            "module": L.LightningModule(), "fused_adamw": fused_adamw,
+            "model_parallel": ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)}
+
+
+@pytest.mark.parametrize(("owner", "name", "why"), PRIVATE_METHODS, ids=[name for _, name, _ in PRIVATE_METHODS])
+def test_private_method_exists(owner: object, name: str, why: str) -> None:
+    assert callable(getattr(owner, name, None)), f"{owner}.{name} is gone ({why})"
+
+
+@pytest.mark.parametrize(("owner", "name", "why"), PRIVATE_ATTRIBUTES, ids=[name for _, name, _ in PRIVATE_ATTRIBUTES])
+def test_private_attribute_exists(owner: str, name: str, why: str) -> None:
+    assert hasattr(instances()[owner], name), f"{owner}.{name} is gone ({why})"
+
+
+def test_the_checkpoint_connector_still_dumps_and_the_link_signature_holds() -> None:
+    connector = instances()["trainer"]._checkpoint_connector
+    assert list(inspect.signature(connector.dump_checkpoint).parameters) == ["weights_only"]
+    assert list(inspect.signature(ModelCheckpoint._link_checkpoint).parameters) == ["trainer", "filepath", "linkpath"]
+
+
+def test_a_fused_adamw_step_skips_itself_on_found_inf() -> None:
+    """app/bad_steps.py skips a bad step on the device through this attribute, as torch's grad scaler does."""
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([param], lr=0.1, fused=True)
+    param.grad = torch.ones(3)
+    optimizer.found_inf = torch.tensor(1.0)
+    optimizer.step()
+    assert torch.equal(param.detach(), torch.ones(3)) and optimizer.state[param]["step"].item() == 0
+    optimizer.found_inf = torch.tensor(0.0)
+    optimizer.step()
+    assert not torch.equal(param.detach(), torch.ones(3)) and optimizer.state[param]["step"].item() == 1
