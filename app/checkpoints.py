@@ -80,11 +80,14 @@ class RunCheckpoint(ModelCheckpoint):
         try:
             trainer.strategy.save_checkpoint(checkpoint, partial)
             failed = 0
-        except (OSError, CheckpointException) as error:  # DCP raises the same CheckpointException on every rank
+        except (OSError, CheckpointException, RuntimeError) as error:  # DCP raises the same on every rank
             os_error = os_error_in(error)
-            if os_error is None:
+            if os_error is not None:
+                failed = os_error.errno or errno.EIO
+            elif disk_full(partial.parent):  # torch's zip writer can report a full disk as "unexpected pos"
+                failed = errno.ENOSPC
+            else:
                 raise
-            failed = os_error.errno or errno.EIO
         worst = trainer.strategy.reduce(torch.tensor(failed, device=trainer.strategy.root_device), reduce_op="max")
         return int(worst.item())
 
@@ -149,6 +152,12 @@ def non_finite_tensors(trainer: L.Trainer) -> list[str]:
     if not local or torch.stack([torch.isfinite(tensor).all().to(local[0].device) for tensor in local]).all():
         return []
     return [name for (name, _), tensor in zip(named, local) if not torch.isfinite(tensor).all()]
+
+
+def disk_full(folder: Path) -> bool:
+    """Whether the folder's disk, or the temporary folder Lightning stages a one-file checkpoint in, has less than
+    a MiB left: where a write that failed without an OSError failed."""
+    return min(shutil.disk_usage(folder).free, shutil.disk_usage(tempfile.gettempdir()).free) < 2**20
 
 
 def in_units(size: int) -> str:

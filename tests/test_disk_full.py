@@ -123,7 +123,9 @@ def test_a_full_disk_stops_every_rank_alike(strategy: list[str], kept_step: int,
     result = run_cohort(run, cwd=tmp_path, timeout=120)
     assert result.returncode == 1, result.stderr[-3000:]
     lines = error_lines(result)
-    assert len(lines) == 2 and lines[0] == lines[1], lines  # each rank's own line, the same
+    # each rank's own line, the same; rank 1's may be missing: Lightning's launcher SIGKILLs the ranks it started
+    # once rank 0 has stopped with an error, which can be before rank 1 has printed
+    assert len(set(lines)) == 1, lines
     assert lines[0].startswith(f"cohort: error: step {kept_step + 2}: the disk is full (No space left on device, ")
     assert f" MiB free in {folder}), so no checkpoint was written and {folder}/last.ckpt is kept" in lines[0]
     assert lines[0].endswith(f"then resume with --ckpt_path {folder}/last.ckpt (COHORT_TRACEBACK=1 shows where)")
