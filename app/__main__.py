@@ -1,6 +1,35 @@
-"""``python -m app ...`` is the ``cohort`` command."""
+"""``python -m app ...`` is the ``cohort`` command: the Lightning subcommands (app/cli.py) and Cohort's own.
 
-from app.cli import main
+    cohort fit -c configs/quickstart.yaml                                   # 1 CPU process, embedded corpus
+    cohort fit -c configs/quickstart.yaml -c configs/trainer/ddp_cpu.yaml   # the same run on 2 processes
+    cohort fit -c configs/quickstart.yaml --ckpt_path last                  # resume the newest run
+    cohort predict -c configs/quickstart.yaml --ckpt_path last              # generate text from it
+    torchrun --nproc_per_node=2 -m app comm                                 # collective bandwidth (app/comm.py)
+    torchrun --nproc_per_node=2 -m app doctor -c ...                        # pre-flight checks (app/doctor.py)
+    cohort consolidate lightning_logs/version_0/checkpoints/last.ckpt       # sharded folder -> one file
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+from app import comm, consolidate, doctor
+from app.cli import run_cli, run_reporting_errors
+
+
+def main(args: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["comm"]:
+        return comm.main(argv[1:])
+    if argv[:1] == ["consolidate"]:
+        return run_reporting_errors(consolidate.main, argv[1:])
+    if argv[:1] == ["doctor"]:
+        return doctor.main(argv[1:])
+    # noise from Lightning's own use of a torch API that torch deprecated; nothing a user can act on
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    run_reporting_errors(run_cli, args)
+
 
 if __name__ == "__main__":
     main()

@@ -65,7 +65,8 @@ class BadStepGuard(Callback):
         self.rollbacks_to_target = 0  # rollbacks in a row to the same checkpoint
         self.rollback_target = ""
         self._recent_losses = torch.full((spike_window,), float("nan"))  # good steps' losses, a ring by step
-        self._step_loss = torch.zeros(())  # this step's micro-batch losses, each divided by the accumulation
+        self._step_loss = torch.zeros(())  # this step's micro-batch losses as backward gets them (Lightning divides
+        # each by the accumulation; under 16-mixed they are also multiplied by the loss scale)
         self._unread: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = []  # (step, verdict, copied)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -97,11 +98,10 @@ class BadStepGuard(Callback):
         self._step_loss.zero_()
         bad_ranks = report[:world] > 0
         bad = bad_ranks.any() | self._spike(report[world] / world, bad_ranks.any(), trainer.global_step)
-        if scaled:
-            pass  # the grad scaler sets found_inf itself, and a non-finite loss leaves non-finite gradients
-        elif getattr(optimizer, "_step_supports_amp_scaling", False):
+        # under the grad scaler, which sets found_inf itself, a non-finite loss leaves non-finite gradients it skips
+        if not scaled and getattr(optimizer, "_step_supports_amp_scaling", False):
             optimizer.found_inf = bad.float()  # torch's fused Adam/AdamW skip the whole update on this flag
-        elif bad.item():  # an optimizer that cannot skip on the device's word: the host decides now
+        elif not scaled and bad.item():  # an optimizer that cannot skip on the device's word: the host decides now
             optimizer.zero_grad(set_to_none=True)
         self._unread.append((trainer.global_step + 1, *copy_to_host(torch.cat([bad_ranks, bad.view(1)]))))
 

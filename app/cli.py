@@ -1,20 +1,11 @@
-"""The ``cohort`` command: LightningCLI over the GPT language model and the token-file datamodule.
-
-    cohort fit -c configs/quickstart.yaml                                   # 1 CPU process, embedded corpus
-    cohort fit -c configs/quickstart.yaml -c configs/trainer/ddp_cpu.yaml   # the same run on 2 processes
-    cohort fit -c configs/quickstart.yaml --ckpt_path last                  # resume the newest run
-    cohort predict -c configs/quickstart.yaml --ckpt_path last              # generate text from it
-    torchrun --nproc_per_node=2 -m app comm                                 # collective bandwidth (app/comm.py)
-    torchrun --nproc_per_node=2 -m app doctor -c ...                        # pre-flight checks (app/doctor.py)
-    cohort consolidate lightning_logs/version_0/checkpoints/last.ckpt       # sharded folder -> one file
-"""
+"""The Lightning subcommands of ``cohort`` (fit, validate, test, predict): LightningCLI over the GPT language model
+and the token-file datamodule, with Cohort's checks before anything is built. ``app/__main__.py`` dispatches."""
 
 from __future__ import annotations
 
 import os
 import re
 import sys
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +17,6 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from app import comm, consolidate
 from app.bad_steps import BadStepGuard
 from app.callbacks import NcclFlightRecorder, PerRankSeed, PrintPredictions
 from app.checkpoints import RunCheckpoint, check_checkpoint, find_last_checkpoint
@@ -146,21 +136,6 @@ def log_root(trainer_config: Namespace) -> Path | None:
     if not (hasattr(logger, "class_path") and logger.class_path.endswith("TensorBoardLogger")):
         return None
     return Path(logger.init_args.save_dir) / logger.init_args.name
-
-
-def main(args: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if args is None else args
-    if argv[:1] == ["comm"]:
-        return comm.main(argv[1:])
-    if argv[:1] == ["consolidate"]:
-        return run_reporting_errors(consolidate.main, argv[1:])
-    if argv[:1] == ["doctor"]:
-        from app import doctor  # imports this module
-
-        return doctor.main(argv[1:])
-    # noise from Lightning's own use of a torch API that torch deprecated; nothing a user can act on
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
-    run_reporting_errors(run_cli, args)
 
 
 def run_cli(args: list[str] | None) -> None:

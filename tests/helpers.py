@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from app.cli import main
+from app.__main__ import main
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]

@@ -14,7 +14,7 @@ import torch
 
 from app.bad_steps import MIN_SPIKE_HISTORY, BadStepGuard
 from app.checkpoints import read_checkpoint
-from app.cli import main
+from app.__main__ import main
 from tests.helpers import DDP_2, QUIET, REPO_ROOT, one_line_error, run_cohort, scalars
 
 POISONED_RANK = 1

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.cli import main
+from app.__main__ import main
 from tests.helpers import QUIET, one_line_error, run_cohort
 
 

@@ -11,7 +11,7 @@ import yaml
 from jsonargparse import ArgumentParser
 from lightning.pytorch.strategies import FSDPStrategy
 
-from app.cli import main
+from app.__main__ import main
 from models.gpt import Block
 from tests.helpers import QUIET, REPO_ROOT, run_cohort
 

@@ -109,3 +109,19 @@ def test_tensor_parallel_on_two_gpus_over_nccl(tmp_path: Path, debug_run_args: l
                          "--trainer.max_steps", "4", "--data.global_batch_size", "8", "--data.micro_batch_size", "4"],
                         cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_a_nan_gradient_is_skipped_on_the_gpu(tmp_path: Path, byte_corpus: Path, precision: str) -> None:
+    """The CUDA side of bad steps: the verdict reaches the fused optimizer as a device flag and the host through a
+    pinned copy (bf16), or the grad scaler skips the step itself (fp16); either way training goes on with finite
+    weights and the skip is reported one step later."""
+    result = run_cohort(["fit", *QUICKSTART, *LAYOUTS["1 gpu"], *shrunk(byte_corpus, STEPS), *QUIET,
+                         "--trainer.precision", precision, "--bad_steps.action", "skip",
+                         "--trainer.callbacks+=tests.helpers.PoisonGradientAtStep", "--trainer.callbacks.rank=0",
+                         "--trainer.callbacks.step=3"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    if precision == "bf16-mixed":  # fp16: the scaler's own skip; the loss stayed finite, so bad_steps saw nothing
+        assert "step 3: the loss or gradients were NaN or inf on rank 0 of 1" in result.stderr
+        assert scalars(tmp_path, "train/skipped_steps")[-1] == 1
+    assert all(torch.isfinite(tensor).all() for tensor in last_checkpoint_weights(tmp_path).values())

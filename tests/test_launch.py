@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import main
+from app.__main__ import main
 from tests.helpers import DDP_2, QUIET, REPO_ROOT, assert_weights_equal, fit, free_port, last_checkpoint_weights
 
 pytestmark = pytest.mark.slow
