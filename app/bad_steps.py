@@ -33,7 +33,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.tensor import DTensor
 
 from app.checkpoints import RunCheckpoint, load_training_state
-from app.errors import UserError, check_ranges
+from core.errors import UserError, check_ranges
 
 Action = Literal["stop", "skip", "rollback"]
 MIN_SPIKE_HISTORY = 20  # good steps seen before a z-score means anything

@@ -12,8 +12,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from app.preemption import stopped_by_signal
+from core.seeding import derive_seed
 from datamodules.language_modeling import data_parallel_rank_and_size
-from datamodules.samplers import derive_seed
 from models.language_model import GPTLanguageModel
 
 

@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from app.errors import UserError
+from core.errors import UserError
 
 META_FILE = "meta.pt"  # what Lightning writes beside the shards: loop state, hyperparameters, callbacks
 

@@ -20,11 +20,11 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from app.bad_steps import BadStepGuard
 from app.callbacks import NcclFlightRecorder, PerRankSeed, PrintPredictions
 from app.checkpoints import RunCheckpoint, check_checkpoint, find_last_checkpoint
-from app.errors import UserError
 from app.launch import parent_start_time, torchrun_restart
 from app.monitoring import RankMonitor, ReplicaDivergenceError
 from app.preemption import PreemptionCheckpoint, preemption_callback
 from app.run_plan import apply_batch_plan, check_launch, check_strategy, check_writable_folder, resolve_precision
+from core.errors import UserError
 from datamodules.language_modeling import LanguageModelingDataModule
 from models.language_model import GPTLanguageModel
 

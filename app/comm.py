@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from app.errors import UserError
 from app.launch import detect_launch, join_process_group, launch_device
+from core.errors import UserError
 
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,

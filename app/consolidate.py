@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
 
-from app.errors import UserError
 from app.checkpoints import META_FILE, is_sharded_checkpoint, read_checkpoint
+from core.errors import UserError
 
 
 def consolidate(folder: Path, output: Path) -> dict[str, Any]:

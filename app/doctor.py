@@ -28,9 +28,9 @@ from jsonargparse import Namespace
 
 from app.cli import CohortCLI, log_root
 from app.comm import time_collective
-from app.errors import UserError
 from app.launch import Launch, detect_launch, join_process_group, launch_device
 from app.run_plan import check_launch, check_writable_folder, gradient_accumulation, resolve_precision
+from core.errors import UserError
 from datamodules.language_modeling import LanguageModelingDataModule
 from datamodules.samplers import GlobalBatchSampler
 from models.gpt import GPT, gpt_config

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
-from app.errors import check_ranges
+from core.errors import check_ranges
 
 
 class PreemptionCheckpoint(Callback):

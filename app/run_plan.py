@@ -15,7 +15,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElastic
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
-from app.errors import UserError
+from core.errors import UserError
 from datamodules.language_modeling import LanguageModelingDataModule
 from models.language_model import GPTLanguageModel
 from models.parallelize import check_tensor_parallel_size

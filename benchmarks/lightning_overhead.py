@@ -100,7 +100,8 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
     from datamodules.samplers import GlobalBatchSampler
-    from datamodules.token_files import IGNORE_INDEX, TokenWindows
+    from core.tokens import IGNORE_INDEX
+    from datamodules.token_files import TokenWindows
     from models.gpt import gpt_config
     from models.language_model import warmup_cosine_schedule, weight_decay_groups
     from models.parallelize import build_gpt

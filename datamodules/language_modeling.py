@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
-from app.errors import UserError, check_ranges
+from core.errors import UserError, check_ranges
 from datamodules.prepare import BYTE_VOCAB_SIZE, DEFAULT_CORPUS_DIR, prepare_byte_corpus, stdlib_source_files
 from datamodules.samplers import EvenShardSampler, GlobalBatchSampler
 from datamodules.token_files import TokenWindows, check_token_file

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from app.errors import UserError
+from core.errors import UserError
 
 BYTE_VOCAB_SIZE = 256
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".csv", ".html", ".xml", ".yaml", ".yml", ".tex"}

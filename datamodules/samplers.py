@@ -15,20 +15,14 @@ no rank waits in a collective for another to finish.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.data import Sampler
 
+from core.seeding import derive_seed
 from datamodules.token_files import PADDING_INDEX
-
-
-def derive_seed(*parts: int | str) -> int:
-    """A 63-bit seed that depends on every part; nearby inputs give unrelated seeds."""
-    digest = hashlib.sha256("/".join(str(part) for part in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 class GlobalBatchSampler(Sampler[int]):

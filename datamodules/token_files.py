@@ -12,9 +12,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from app.errors import UserError
+from core.errors import UserError
+from core.tokens import IGNORE_INDEX
 
-IGNORE_INDEX = -100  # target id that cross-entropy skips
 PADDING_INDEX = -1  # a sample index that stands for "no sample" (see EvenShardSampler)
 
 

@@ -16,8 +16,8 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
-from app.errors import UserError, check_ranges
-from datamodules.token_files import IGNORE_INDEX
+from core.errors import UserError, check_ranges
+from core.tokens import IGNORE_INDEX
 from models.gpt import GPT, GPT_CONFIGS, gpt_config
 from models.parallelize import CHECKPOINT_WRAPPER_PREFIX, build_gpt, clip_grad_norm_
 

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolic
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from datamodules.samplers import derive_seed
+from core.seeding import derive_seed
 from models.gpt import GPT, GPTConfig
 
 CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module."

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from app.__main__ import main
 from app.bad_steps import MIN_SPIKE_HISTORY, BadStepGuard
 from app.checkpoints import read_checkpoint
-from app.__main__ import main
 from tests.helpers import DDP_2, QUIET, REPO_ROOT, one_line_error, run_cohort, scalars
 
 POISONED_RANK = 1

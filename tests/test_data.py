@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
-from app.errors import UserError
+from core.errors import UserError
+from core.tokens import IGNORE_INDEX
 from datamodules.language_modeling import LanguageModelingDataModule
 from datamodules.prepare import collect_text_files, main as prepare_main, prepare_byte_corpus
 from datamodules.samplers import EvenShardSampler, GlobalBatchSampler
-from datamodules.token_files import IGNORE_INDEX, PADDING_INDEX, TokenWindows, check_token_file
+from datamodules.token_files import PADDING_INDEX, TokenWindows, check_token_file
 from models.gpt import GPT, gpt_config
 
 

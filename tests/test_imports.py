@@ -1,5 +1,5 @@
-"""The project's modules import each other without cycles, counting imports inside functions too: a cycle makes
-the import order matter and hides which layer depends on which."""
+"""The project's modules import each other without cycles and only downwards, counting imports inside functions
+too: a cycle makes the import order matter, and an upward import hides which layer depends on which."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from pathlib import Path
 
 from tests.helpers import REPO_ROOT
 
-PACKAGES = ("app", "models", "datamodules")
+PACKAGES = ("app", "core", "models", "datamodules")
+# the packages each package may import besides itself: core at the bottom, data and models beside each other, app on top
+ALLOWED_IMPORTS = {"core": set(), "datamodules": {"core"}, "models": {"core"}, "app": {"core", "datamodules", "models"}}
 
 
 def project_modules() -> dict[str, Path]:
@@ -56,3 +58,11 @@ def test_no_import_cycles() -> None:
     graph = {name: imported_project_modules(path, set(modules)) - {name} for name, path in modules.items()}
     assert "app.cli" in graph["app.__main__"]  # the walk sees imports at all
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_layers_import_only_downwards() -> None:
+    modules = project_modules()
+    upward = [f"{name} imports {imported}" for name, path in modules.items()
+              for imported in sorted(imported_project_modules(path, set(modules)))
+              if imported.split(".")[0] not in ALLOWED_IMPORTS[name.split(".")[0]] | {name.split(".")[0]}]
+    assert not upward, f"imports against the layering: {upward}"

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from app.errors import UserError
 from app.run_plan import gradient_accumulation, resolve_precision
+from core.errors import UserError
 from models.gpt import GPT, GPT_CONFIGS
 from models.language_model import GPTLanguageModel, warmup_cosine_schedule, weight_decay_groups
 
