@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from app.checkpoints import RunCheckpoint, load_training_state
 from core.errors import UserError, check_ranges
+from core.run_plan import run_plan_of
 
 Action = Literal["stop", "skip", "rollback"]
 MIN_SPIKE_HISTORY = 20  # good steps seen before a z-score means anything
@@ -121,7 +122,7 @@ class BadStepGuard(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+        if run_plan_of(pl_module).ends_optimizer_step(batch_idx):
             self._act(trainer, keep_newest=True)
             if self.skipped_steps:  # each self.log costs about a millisecond: only once there is something to say
                 pl_module.log("train/skipped_steps", float(self.skipped_steps))

@@ -12,8 +12,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from app.preemption import stopped_by_signal
+from core.run_plan import run_plan_of
 from core.seeding import derive_seed
-from datamodules.language_modeling import data_parallel_rank_and_size
 from models.language_model import GPTLanguageModel
 
 
@@ -27,8 +27,8 @@ class PerRankSeed(Callback):
     """
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        rank, _ = data_parallel_rank_and_size(trainer)
-        seed = derive_seed(int(os.environ.get("PL_GLOBAL_SEED", 0)), rank, trainer.global_step, batch_idx)
+        plan = run_plan_of(pl_module)
+        seed = derive_seed(plan.seed, plan.data_parallel_rank(trainer.global_rank), trainer.global_step, batch_idx)
         # the generators themselves: torch.manual_seed also probes every accelerator backend, ~1 ms per call
         torch.default_generator.manual_seed(seed)
         if torch.cuda.is_initialized():

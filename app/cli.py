@@ -19,24 +19,23 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from app.bad_steps import BadStepGuard
 from app.callbacks import NcclFlightRecorder, PerRankSeed, PrintPredictions
-from app.checkpoints import RunCheckpoint, check_checkpoint, find_last_checkpoint
-from app.launch import parent_start_time, torchrun_restart
+from app.checkpoints import RunCheckpoint
 from app.monitoring import RankMonitor, ReplicaDivergenceError
 from app.preemption import PreemptionCheckpoint, preemption_callback
-from app.run_plan import apply_batch_plan, check_launch, check_strategy, check_writable_folder, resolve_precision
+from app.preflight import Preflight, check_config
 from core.errors import UserError
+from core.run_plan import RunPlan
+from core.seeding import DEFAULT_SEED
 from datamodules.language_modeling import LanguageModelingDataModule
 from models.language_model import GPTLanguageModel
 
-DEFAULT_SEED = 1337  # fixed, not random: a resumed run must draw the same data and dropout as the first
-
 
 class CohortCLI(LightningCLI):
+    run_plan: RunPlan  # resolved by the pre-flight checks, before anything is built
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         super().__init__(
             GPTLanguageModel,
             LanguageModelingDataModule,
-            seed_everything_default=DEFAULT_SEED,
             trainer_defaults={
                 "logger": {
                     "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
@@ -50,9 +49,16 @@ class CohortCLI(LightningCLI):
             run=run,
         )
 
+    def add_default_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """Lightning's ``--seed_everything``, but an integer only: ``true`` would draw a random seed that a resumed
+        run could not draw again."""
+        parser.add_argument("--seed_everything", type=int, default=DEFAULT_SEED,
+                            help="one seed for the data order, the initial weights and dropout on every rank")
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.vocab_size", "model.vocab_size")
         parser.link_arguments("data.global_batch_size", "model.global_batch_size")
+        parser.link_arguments("seed_everything", "model.seed")
         parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
         parser.set_defaults(
             {
@@ -79,63 +85,40 @@ class CohortCLI(LightningCLI):
         checkpoint (and unpickle the whole file to read them); instead ``check_checkpoint`` refuses, in one line,
         a checkpoint whose architecture differs from the config."""
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: list[str] | None) -> None:
+        """``--print_config`` prints and exits while parsing; before that, check what the config alone decides, so
+        that a config ``fit`` would refuse is refused here too."""
+        argv = sys.argv[1:] if args is None else args
+        if isinstance(argv, list) and any(arg.startswith("--print_config") for arg in argv):
+            config = parser.parse_args([arg for arg in argv if not arg.startswith("--print_config")])
+            check_config(config[config.subcommand] if config.get("subcommand") else config)
+        super().parse_arguments(parser, args)
+
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
-        trainer = config.trainer
-        if trainer.use_distributed_sampler:
-            raise UserError("trainer.use_distributed_sampler must stay false: the datamodule gives each rank its "
-                            "own samples, and Lightning's sampler would reorder them")
         if SLURMEnvironment.detect():  # preemption is handled by PreemptionCheckpoint, across ranks
-            trainer.plugins = [*(trainer.plugins or []), Namespace(
+            config.trainer.plugins = [*(config.trainer.plugins or []), Namespace(
                 class_path="lightning.fabric.plugins.environments.SLURMEnvironment",
                 init_args=Namespace(auto_requeue=False))]
-        accelerator = trainer.accelerator if isinstance(trainer.accelerator, str) else "custom"
-        check_strategy(trainer.strategy, accelerator)
-        check_launch(trainer)
-        trainer.precision = resolve_precision(trainer.precision, accelerator)
-        if config.weights_only is None:  # checkpoints are data: refuse a pickle that asks for code, whatever torch's default
-            config.weights_only = True
-        if config.ckpt_path == "last":
-            config.ckpt_path = self._resume_last(trainer)
-        elif config.ckpt_path is None and self.subcommand == "fit" and torchrun_restart() > 0:
-            # torchrun restarted the ranks after one failed: continue this job's run, not an older one in the folder
-            config.ckpt_path = self._resume_last(trainer, written_since=parent_start_time())
-        if config.ckpt_path not in (None, "last"):
-            check_checkpoint(Path(config.ckpt_path), config.model, config.weights_only)
-        for what, folder in (("log folder", log_root(trainer)), ("checkpoint folder", config.checkpoint.dirpath)):
-            if folder is not None:
-                check_writable_folder(Path(folder), what)
+        self.run_plan = Preflight(config, self.subcommand).run()
 
-    def _resume_last(self, trainer_config: Namespace, written_since: float = 0.0) -> str | None:
-        """Resolve ``--ckpt_path last`` to the newest run's last.ckpt, if written after ``written_since`` (seconds
-        since the epoch), and log into that run's folder again."""
-        root = log_root(trainer_config)
-        if root is None:
-            return "last"  # another logger: Lightning's own lookup
-        checkpoint = find_last_checkpoint(root)
-        if checkpoint is None or checkpoint.lstat().st_mtime < written_since:
-            rank_zero_info(f"--ckpt_path last: no checkpoint under {root}/version_*/checkpoints"
-                           f"{' from this job' if written_since else ''}, starting a new run")
-            return None
-        trainer_config.logger.init_args.version = checkpoint.parent.parent.name
-        rank_zero_info(f"resuming from {checkpoint}")
-        return str(checkpoint)
+    def instantiate_classes(self) -> None:
+        """Build the trainer, model and datamodule, and hand the run plan to them."""
+        super().instantiate_classes()
+        plan = self.run_plan
+        self.model.run_plan = self.datamodule.run_plan = plan
+        self.trainer.accumulate_grad_batches = plan.accumulation
+        val_every_n_steps = self.config[self.subcommand].val_every_n_steps
+        if val_every_n_steps is not None:
+            self.trainer.val_check_interval = val_every_n_steps * plan.accumulation  # Lightning counts micro-batches
 
     def before_fit(self) -> None:
-        apply_batch_plan(self.trainer, self.model, self.datamodule, self.config.fit.val_every_n_steps)
+        rank_zero_info(f"batch plan: {self.run_plan.describe()}")
         if isinstance(self.trainer.accelerator, CUDAAccelerator):
             self.trainer.callbacks.append(NcclFlightRecorder(Path(self.trainer.log_dir)))
         for callback in list(self.trainer.callbacks):
             if isinstance(callback, RankMonitor) and not callback.enabled:
                 self.trainer.callbacks.remove(callback)
-
-
-def log_root(trainer_config: Namespace) -> Path | None:
-    """The TensorBoard logger's folder of run versions (save_dir/name); None for another logger."""
-    logger = trainer_config.logger
-    if not (hasattr(logger, "class_path") and logger.class_path.endswith("TensorBoardLogger")):
-        return None
-    return Path(logger.init_args.save_dir) / logger.init_args.name
 
 
 def run_cli(args: list[str] | None) -> None:

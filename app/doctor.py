@@ -3,10 +3,12 @@
     torchrun --nproc_per_node=2 -m app doctor -c configs/quickstart.yaml -c configs/trainer/ddp_cpu.yaml
     srun python -m app doctor -c configs/trainer/multinode_gpu_bf16.yaml -c configs/gpt2/pretrain.yaml
 
-Checks: the launcher's world size against trainer.devices x trainer.num_nodes (and SLURM's task count); every
-rank reaching a barrier within a timeout; all-reduce bandwidth; the DataLoader's speed against the model's step;
-log and checkpoint folders writable with room for checkpoints; the precision on this device; addresses that other
-nodes cannot reach. Prints pass / warn / fail with advice and exits non-zero when anything fails.
+Checks: the pre-flight checks ``cohort fit`` runs (app/preflight.py: the launcher's process count against
+trainer.devices x trainer.num_nodes, the precision on this device, the run plan's sizes and batch arithmetic, a
+checkpoint to resume, writable folders), each reported rather than stopping at the first; then the doctor's own
+probes: every rank reaching a barrier within a timeout, all-reduce bandwidth, the DataLoader's speed against the
+model's step, room for checkpoints on the disks, addresses that other nodes cannot reach. Prints pass / warn / fail
+with advice and exits non-zero when anything fails.
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from jsonargparse import Namespace
 
-from app.cli import CohortCLI, log_root
+from app.cli import CohortCLI
 from app.comm import time_collective
 from app.launch import Launch, detect_launch, join_process_group, launch_device
-from app.run_plan import check_launch, check_writable_folder, gradient_accumulation, resolve_precision
+from app.preflight import Preflight, log_root
 from core.errors import UserError
+from core.run_plan import RunPlan
 from datamodules.language_modeling import LanguageModelingDataModule
-from datamodules.samplers import GlobalBatchSampler
 from models.gpt import GPT, gpt_config
 
 
@@ -42,15 +44,6 @@ class Check:
     status: str  # "pass", "warn" or "fail"
     detail: str
     advice: str = ""
-
-
-def check_world(trainer: Namespace, world_size: int, launcher: str) -> Check:
-    detail = f"launcher {launcher}: {world_size} processes; config: {trainer.devices} devices x {trainer.num_nodes} nodes"
-    try:
-        check_launch(trainer)
-    except UserError as error:
-        return Check("world size", "fail", detail, str(error))
-    return Check("world size", "pass", detail)
 
 
 def check_rendezvous(launch: Launch, device: torch.device, timeout_s: float) -> tuple[Check, bool]:
@@ -74,43 +67,27 @@ def check_bandwidth(device: torch.device) -> Check:
                  "" if n > 1 else "one process: nothing to measure")
 
 
-def tensor_parallel_size(strategy: object) -> int:
-    """The tensor-parallel size a ModelParallelStrategy config asks for ("auto": the processes of one node)."""
-    if not str(getattr(strategy, "class_path", "")).endswith("ModelParallelStrategy"):
-        return 1
-    size = getattr(strategy.init_args, "tensor_parallel_size", "auto")
-    return int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if size == "auto" else int(size)
-
-
-def check_data(config: Namespace, rank: int, world_size: int, device: torch.device) -> list[Check]:
+def check_data(config: Namespace, plan: RunPlan, rank: int, device: torch.device) -> Check:
     """The loader's time per micro-batch against the model's compute per micro-batch on this device."""
     data = LanguageModelingDataModule(**vars(config.data))
+    data.run_plan = plan
     data.prepare_data()
     data.setup("fit")
-    tensor_parallel = tensor_parallel_size(config.trainer.strategy)
-    accumulation = gradient_accumulation(data.global_batch_size, data.micro_batch_size, world_size,
-                                         tensor_parallel_size=tensor_parallel)
-    # ModelParallelStrategy's mesh is (data_parallel, tensor_parallel), row-major: a tensor-parallel group reads alike
-    sampler = GlobalBatchSampler(len(data.train_set), data.global_batch_size, data.micro_batch_size,
-                                 rank // tensor_parallel, world_size // tensor_parallel, 0)
-    loader = torch.utils.data.DataLoader(data.train_set, sampler=sampler, **data.loader_options())
+    loader = data.training_loader(rank)
     batches = iter(loader)
     next(batches)  # workers start
     start = time.perf_counter()
     fetched = [next(batches) for _ in range(max(1, min(10, len(loader) - 1)))]
     loader_seconds = (time.perf_counter() - start) / max(1, len(fetched))
-    checks = [Check("batch plan", "pass", f"accumulation {accumulation} per rank")]
     compute_seconds = micro_batch_compute_seconds(config, fetched[0], device)
     if compute_seconds is None:
-        checks.append(Check("data loader", "pass", f"{loader_seconds * 1e3:.1f} ms per micro-batch",
-                            "model too large to time here; compare with the step time once training runs"))
-        return checks
+        return Check("data loader", "pass", f"{loader_seconds * 1e3:.1f} ms per micro-batch",
+                     "model too large to time here; compare with the step time once training runs")
     share = loader_seconds / (loader_seconds + compute_seconds)
     detail = f"{loader_seconds * 1e3:.1f} ms per micro-batch vs {compute_seconds * 1e3:.1f} ms of compute ({share:.0%})"
     advice = f"raise data.num_workers (now {data.num_workers}), set data.pin_memory, keep token files on local disk"
     status = "pass" if share < 0.1 else "warn" if share < 0.3 else "fail"
-    checks.append(Check("data loader", status, detail, advice if status != "pass" else ""))
-    return checks
+    return Check("data loader", status, detail, advice if status != "pass" else "")
 
 
 def micro_batch_compute_seconds(config: Namespace, batch: tuple[torch.Tensor, torch.Tensor],
@@ -130,18 +107,15 @@ def micro_batch_compute_seconds(config: Namespace, batch: tuple[torch.Tensor, to
     return time.perf_counter() - start
 
 
-def check_folders(config: Namespace) -> list[Check]:
+def check_disk_space(config: Namespace) -> list[Check]:
+    """Room for checkpoints in the log and checkpoint folders (whether they can be written is a pre-flight check)."""
     root = log_root(config.trainer) or Path(".")
     with torch.device("meta"):
         params = GPT(gpt_config(config.model.model_name, vocab_size=config.data.vocab_size)).num_parameters()
     checkpoint_bytes = params * 12  # fp32 weights + two AdamW moments
     checks = []
-    for name, folder in (("log folder", root), ("checkpoint folder", Path(config.checkpoint.dirpath or root))):
-        try:
-            existing = check_writable_folder(folder, name)
-        except UserError as error:
-            checks.append(Check(name, "fail", str(folder), str(error)))
-            continue
+    for name, folder in (("log disk", root), ("checkpoint disk", Path(config.checkpoint.dirpath or root))):
+        existing = next(parent for parent in (folder, *folder.parents) if parent.exists())
         free = shutil.disk_usage(existing).free
         status = "pass" if free > 5 * checkpoint_bytes else "warn" if free > 2 * checkpoint_bytes else "fail"
         checks.append(Check(name, status, f"{folder}: {free / 2**30:.1f} GiB free, a checkpoint is "
@@ -191,12 +165,14 @@ def main(argv: list[str]) -> None:
         sys.exit(f"cohort doctor: error: the launcher's environment is not usable: {error}")
     rank, world_size = launch.rank, launch.world_size
     device = launch_device(launch, use_gpu=config.trainer.accelerator != "cpu")
-    checks = [check_world(config.trainer, world_size, launch.launcher), check_addresses(int(config.trainer.num_nodes))]
-    try:
-        precision = resolve_precision(config.trainer.precision, "cuda" if device.type == "cuda" else "cpu")
-        checks.append(Check("precision", "pass", f"{precision} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}"))
-    except UserError as error:
-        checks.append(Check("precision", "fail", str(error)))
+    preflight = Preflight(config, subcommand=None)
+    checks = []
+    for name, check in preflight.checks():  # the checks fit runs, each reported instead of stopping at the first
+        try:
+            checks.append(Check(name, "pass", check()))
+        except UserError as error:
+            checks.append(Check(name, "fail", f"launcher {launch.launcher}, {world_size} processes", str(error)))
+    checks.append(check_addresses(int(config.trainer.num_nodes)))
     joined = False
     if checks[0].status == "fail":
         checks.append(Check("barrier", "warn", "skipped: the processes do not form the job the config describes"))
@@ -205,11 +181,12 @@ def main(argv: list[str]) -> None:
         checks.append(barrier)
         if joined:
             checks.append(check_bandwidth(device))
-    try:
-        checks += check_data(config, rank, world_size, device)
-    except UserError as error:
-        checks.append(Check("data", "fail", str(error)))
-    checks += check_folders(config)
+    if preflight.plan is not None:
+        try:
+            checks.append(check_data(config, preflight.plan, rank, device))
+        except UserError as error:
+            checks.append(Check("data", "fail", str(error)))
+    checks += check_disk_space(config)
     if rank == 0:
         print(f"cohort doctor: rank 0 of {world_size} on {socket.gethostname()}\n{format_table(checks)}")
     if joined:

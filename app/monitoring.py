@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from app.flops import formula_flops_per_token, measured_flops_per_token, peak_tflops_per_device
+from core.run_plan import run_plan_of
 
 # One row per rank per window; the names are also the TensorBoard tags under monitor/.
 FIELDS = ("data_wait_s", "compute_s", "sync_wait_s", "step_s", "loss", "loss_std", "host_rss_gib",
@@ -110,12 +111,10 @@ class RankMonitor(Callback):
         self._trainer = trainer
         self.every_n_steps = self.every_n_steps or trainer.log_every_n_steps
         self._cuda = trainer.strategy.root_device.type == "cuda"
-        datamodule = trainer.datamodule
-        self.tokens_per_step = datamodule.global_batch_size * datamodule.sequence_length
-        self.samples_per_step = datamodule.global_batch_size
+        self._plan = plan = run_plan_of(pl_module)
         config = pl_module.config
-        formula = formula_flops_per_token(config, datamodule.sequence_length)
-        self.flops_per_token = measured_flops_per_token(config, datamodule.sequence_length)
+        formula = formula_flops_per_token(config, plan.sequence_length)
+        self.flops_per_token = measured_flops_per_token(config, plan.sequence_length)
         if abs(self.flops_per_token - formula) > 0.05 * formula:
             alert(f"FLOP count {self.flops_per_token:.4g}/token differs from 6N + 12LHQT = {formula:.4g}")
         device_name = torch.cuda.get_device_name(trainer.strategy.root_device) if self._cuda else "CPU"
@@ -124,7 +123,6 @@ class RankMonitor(Callback):
         if dist.is_available() and dist.is_initialized():
             dist.all_gather_object(self.hosts, socket.gethostname())  # once per run
         self._sync_measured = self._register_sync_timer(trainer)
-        self._last_step = trainer.global_step  # not 0 when resuming
         self._reset_window()
 
     def _register_sync_timer(self, trainer: L.Trainer) -> bool:
@@ -182,9 +180,8 @@ class RankMonitor(Callback):
         self._micro_batches.append((self._batch_start, Marker(self._cuda), bucket_ready,
                                     self._after_backward if bucket_ready is not None else None))
         # Lightning hands back the loss divided by the accumulation steps
-        self._losses.append(outputs["loss"].detach() * trainer.accumulate_grad_batches)
-        if trainer.global_step > self._last_step:
-            self._last_step = trainer.global_step
+        self._losses.append(outputs["loss"].detach() * self._plan.accumulation)
+        if self._plan.ends_optimizer_step(batch_idx):
             self._steps += 1
             if self._steps == self.every_n_steps:
                 self._close_window(trainer)
@@ -232,11 +229,11 @@ class RankMonitor(Callback):
 
     def _report(self, trainer: L.Trainer, window: dict[str, Any]) -> None:
         step_seconds = statistics.median(window["step_s"])
-        tokens_per_second = self.tokens_per_step / step_seconds
+        tokens_per_second = self._plan.tokens_per_step / step_seconds
         tflops = self.flops_per_token * tokens_per_second / 1e12
         metrics = {
             "throughput/tokens_per_second": tokens_per_second,
-            "throughput/samples_per_second": self.samples_per_step / step_seconds,
+            "throughput/samples_per_second": self._plan.global_batch_size / step_seconds,
             "throughput/tflops": tflops,
             "throughput/tflops_per_device": tflops / trainer.world_size,
         }

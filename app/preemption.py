@@ -34,6 +34,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from core.errors import check_ranges
+from core.run_plan import run_plan_of
 
 
 class PreemptionCheckpoint(Callback):
@@ -93,7 +94,7 @@ class PreemptionCheckpoint(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object, batch: object,
                            batch_idx: int) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches != 0:
+        if not run_plan_of(pl_module).ends_optimizer_step(batch_idx):
             return  # only optimizer-step boundaries are resumable points
         requested = torch.tensor([float(self.requested)])
         if self._group is not None:  # any rank's signal stops all here; SIGTERM (15) outranks SIGUSR1 (10)

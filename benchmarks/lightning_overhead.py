@@ -99,8 +99,9 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
 
-    from datamodules.samplers import GlobalBatchSampler
+    from core.run_plan import RunPlan
     from core.tokens import IGNORE_INDEX
+    from datamodules.samplers import GlobalBatchSampler
     from datamodules.token_files import TokenWindows
     from models.gpt import gpt_config
     from models.language_model import warmup_cosine_schedule, weight_decay_groups
@@ -110,8 +111,10 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
     model = build_gpt(gpt_config(args.model, vocab_size=256, dropout=0.0), torch.device("cpu"), seed=SEED)
     model.train()
     dataset = TokenWindows(Path(args.data_dir) / "train.bin", args.sequence_length, 256)
-    sampler = GlobalBatchSampler(len(dataset), args.global_batch_size, args.micro_batch_size, rank=0, world_size=1,
-                                 seed=SEED)  # the datamodule passes PL_GLOBAL_SEED, i.e. the same seed
+    plan = RunPlan(devices_per_node=1, num_nodes=1, data_parallel_size=1, tensor_parallel_size=1,
+                   global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+                   sequence_length=args.sequence_length, precision="32-true", seed=SEED)  # as the CLI resolves it
+    sampler = GlobalBatchSampler(len(dataset), plan, data_parallel_rank=0)
     loader = DataLoader(dataset, sampler=sampler, batch_size=args.micro_batch_size, num_workers=0)
     # the two groups of GPTLanguageModel.configure_optimizers (no decay on biases, norms and embeddings), fused
     optimizer = torch.optim.AdamW(weight_decay_groups(model, WEIGHT_DECAY), lr=LEARNING_RATE, betas=(0.9, 0.95),
@@ -119,7 +122,7 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
     total_steps = args.warmup_steps + args.steps  # = trainer.max_steps = estimated_stepping_batches
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine_schedule(LR_WARMUP_STEPS, total_steps, 0.1))
     clipped = [p for group in optimizer.param_groups for p in group["params"]]  # Lightning clips in this order
-    accumulation = args.global_batch_size // args.micro_batch_size
+    accumulation = plan.accumulation
 
     losses: list[float] = []
     batches = iter(loader)
@@ -211,7 +214,7 @@ def timed_steps(run: dict[str, Any], warmup: int) -> list[tuple[float, bool]]:
 
 
 def report(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -> None:
-    accumulation = args.global_batch_size // args.micro_batch_size
+    accumulation = args.global_batch_size // args.micro_batch_size  # one process
     lightning = results["lightning"][0]
     print(f"\nmodel {args.model}, global batch {args.global_batch_size} = micro {args.micro_batch_size} x "
           f"{accumulation} accumulation, sequence {args.sequence_length}, {args.steps} timed steps after "

@@ -6,9 +6,8 @@ once into ``data/python_stdlib`` by the first process of each node.
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +17,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from core.errors import UserError, check_ranges
+from core.run_plan import RunPlan, run_plan_of
 from datamodules.prepare import BYTE_VOCAB_SIZE, DEFAULT_CORPUS_DIR, prepare_byte_corpus, stdlib_source_files
 from datamodules.samplers import EvenShardSampler, GlobalBatchSampler
 from datamodules.token_files import TokenWindows, check_token_file
-
-
-def data_parallel_rank_and_size(trainer: L.Trainer) -> tuple[int, int]:
-    """This rank's place among the ranks that read different samples. Ranks of one tensor-parallel group read
-    the same samples, so under ModelParallelStrategy this is the data-parallel coordinate, not the global rank."""
-    sampler_kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
-    return sampler_kwargs.get("rank", 0), sampler_kwargs.get("num_replicas", 1)
 
 
 class ResumableDataLoader(DataLoader):
@@ -54,8 +47,8 @@ class ResumableDataLoader(DataLoader):
     def state_dict(self) -> dict[str, int]:
         sampler: GlobalBatchSampler = self.sampler  # type: ignore[assignment]
         return {
-            "seed": sampler.seed,
-            "global_batch_size": sampler.global_batch_size,
+            "seed": sampler.plan.seed,
+            "global_batch_size": sampler.plan.global_batch_size,
             "num_samples": sampler.num_samples,
         }
 
@@ -99,8 +92,6 @@ class LanguageModelingDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         check_ranges("data", {
             "sequence_length": (sequence_length >= 1, "a positive integer"),
-            "global_batch_size": (global_batch_size >= 1, "a positive integer"),
-            "micro_batch_size": (micro_batch_size >= 1, "a positive integer"),
             "vocab_size": (vocab_size >= 1, "a positive integer"),
             "val_samples": (val_samples is None or val_samples >= 1, "a positive integer, or null for all of val.bin"),
             "num_workers": (num_workers >= 0, ">= 0 (0 loads batches in the training process)"),
@@ -120,6 +111,7 @@ class LanguageModelingDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.prompts = prompts or ["def fibonacci(n):\n", "class Stack:\n"]
+        self.run_plan: RunPlan | None = None  # handed over by the CLI: the ranks, sizes and accumulation
         self.train_set: TokenWindows | None = None
         self.val_set: TokenWindows | None = None
 
@@ -142,17 +134,14 @@ class LanguageModelingDataModule(L.LightningDataModule):
                 )
 
     def train_dataloader(self) -> DataLoader:
+        return self.training_loader(self.trainer.global_rank, current_step=lambda: self.trainer.global_step)
+
+    def training_loader(self, global_rank: int, current_step: Callable[[], int] = lambda: 0) -> ResumableDataLoader:
+        """Rank ``global_rank``'s share of each global batch, from the optimizer step ``current_step()`` on (when
+        resuming, the step restored from the checkpoint)."""
         assert self.train_set is not None
-        rank, data_parallel_size = data_parallel_rank_and_size(self.trainer)
-        sampler = GlobalBatchSampler(
-            num_samples=len(self.train_set),
-            global_batch_size=self.global_batch_size,
-            micro_batch_size=self.micro_batch_size,
-            rank=rank,
-            world_size=data_parallel_size,
-            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # set by seed_everything
-            current_step=lambda: self.trainer.global_step,  # restored from the checkpoint when resuming
-        )
+        plan = run_plan_of(self)
+        sampler = GlobalBatchSampler(len(self.train_set), plan, plan.data_parallel_rank(global_rank), current_step)
         return ResumableDataLoader(self.train_set, sampler=sampler, **self.loader_options())
 
     def val_dataloader(self) -> DataLoader:
@@ -164,7 +153,8 @@ class LanguageModelingDataModule(L.LightningDataModule):
     def evaluation_dataloader(self, limit_name: str, limit_batches: int | float) -> DataLoader:
         """The val.bin windows that validation (or test) reads, spread evenly over the whole file."""
         assert self.val_set is not None
-        rank, data_parallel_size = data_parallel_rank_and_size(self.trainer)
+        plan = run_plan_of(self)
+        rank, data_parallel_size = plan.data_parallel_rank(self.trainer.global_rank), plan.data_parallel_size
         num_chosen = self.evaluation_window_count(limit_name, limit_batches, data_parallel_size)
         sampler = EvenShardSampler(len(self.val_set), num_chosen, rank, data_parallel_size)
         return DataLoader(self.val_set, sampler=sampler, **self.loader_options())

@@ -1,10 +1,10 @@
 """Which sample each rank reads, as a pure function of (seed, epoch, optimizer step, rank, index).
 
 Training: optimizer step s consumes the global batch at positions [k*G, (k+1)*G) of its data epoch's
-permutation (k = s mod steps per epoch), whatever the world size W or accumulation A. Micro-batch a of rank r
-takes the ``micro_batch_size`` positions starting at k*G + a*(micro*W) + r*micro. So a 1-process run and a
-2-process run with the same global batch see the same samples in every step, ranks never share a sample, and
-resuming at step s only needs s: the stream restarts there.
+permutation (k = s mod steps per epoch), whatever the data-parallel size W or accumulation A (both from the run
+plan). Micro-batch a of data-parallel rank r takes the ``micro_batch_size`` positions starting at
+k*G + a*(micro*W) + r*micro. So a 1-process run and a 2-process run with the same global batch see the same samples
+in every step, ranks never share a sample, and resuming at step s only needs s: the stream restarts there.
 
 Validation: of the N windows of val.bin it reads n (all, or fewer when limited), chosen evenly over the whole file:
 window i * N // n for i < n. So the first is window 0, neighbours are floor(N/n) or ceil(N/n) apart, the last is
@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.utils.data import Sampler
 
+from core.run_plan import RunPlan
 from core.seeding import derive_seed
 from datamodules.token_files import PADDING_INDEX
 
@@ -34,40 +35,28 @@ class GlobalBatchSampler(Sampler[int]):
     over the samples, ``steps_per_epoch`` optimizer steps each, with a fresh permutation per pass.
     """
 
-    def __init__(
-        self,
-        num_samples: int,
-        global_batch_size: int,
-        micro_batch_size: int,
-        rank: int,
-        world_size: int,
-        seed: int,
-        current_step: Callable[[], int] = lambda: 0,
-    ) -> None:
+    def __init__(self, num_samples: int, plan: RunPlan, data_parallel_rank: int,
+                 current_step: Callable[[], int] = lambda: 0) -> None:
         self.num_samples = num_samples
-        self.global_batch_size = global_batch_size
-        self.micro_batch_size = micro_batch_size
-        self.rank = rank
-        self.world_size = world_size
-        self.seed = seed
+        self.plan = plan
+        self.rank = data_parallel_rank
         self.current_step = current_step
-        self.accumulation = global_batch_size // (micro_batch_size * world_size)
-        self.steps_per_epoch = num_samples // global_batch_size
+        self.steps_per_epoch = num_samples // plan.global_batch_size
 
     def __len__(self) -> int:
-        return self.steps_per_epoch * self.accumulation * self.micro_batch_size
+        return self.steps_per_epoch * self.plan.accumulation * self.plan.micro_batch_size
 
     def __iter__(self) -> Iterator[int]:
-        first = self.current_step()
-        micro_batches = torch.arange(self.accumulation).view(-1, 1) * (self.micro_batch_size * self.world_size)
-        within_step = (micro_batches + self.rank * self.micro_batch_size + torch.arange(self.micro_batch_size)).flatten()
+        first, micro, plan = self.current_step(), self.plan.micro_batch_size, self.plan
+        micro_batches = torch.arange(plan.accumulation).view(-1, 1) * (micro * plan.data_parallel_size)
+        within_step = (micro_batches + self.rank * micro + torch.arange(micro)).flatten()
         permutation, permutation_epoch = None, -1
         for step in range(first, first + self.steps_per_epoch):
             data_epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
             if data_epoch != permutation_epoch:
-                generator = torch.Generator().manual_seed(derive_seed(self.seed, data_epoch))
+                generator = torch.Generator().manual_seed(derive_seed(plan.seed, data_epoch))
                 permutation, permutation_epoch = torch.randperm(self.num_samples, generator=generator), data_epoch
-            yield from permutation[step_in_epoch * self.global_batch_size + within_step].tolist()
+            yield from permutation[step_in_epoch * plan.global_batch_size + within_step].tolist()
 
 
 class EvenShardSampler(Sampler[int]):

@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from core.errors import UserError
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -52,7 +54,7 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
 def gpt_config(name: str, **overrides: int | float | bool | None) -> GPTConfig:
     """The named config with the given fields replaced (fields set to None are left as they are)."""
     if name not in GPT_CONFIGS:
-        raise KeyError(name)
+        raise UserError(f"unknown model.model_name '{name}': choose one of {', '.join(GPT_CONFIGS)}")
     return replace(GPT_CONFIGS[name], **{key: value for key, value in overrides.items() if value is not None})
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -17,8 +16,10 @@ from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
 from core.errors import UserError, check_ranges
+from core.run_plan import RunPlan, run_plan_of
+from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
-from models.gpt import GPT, GPT_CONFIGS, gpt_config
+from models.gpt import GPT, gpt_config
 from models.parallelize import CHECKPOINT_WRAPPER_PREFIX, build_gpt, clip_grad_norm_
 
 # FSDP2's compute dtype for each mixed precision; the sharded float32 master weights stay float32
@@ -44,6 +45,7 @@ class GPTLanguageModel(L.LightningModule):
         top_k: int | None = 40,
         activation_checkpointing: bool = False,
         compile: bool = False,
+        seed: int = DEFAULT_SEED,
     ) -> None:
         """
         Args:
@@ -63,6 +65,7 @@ class GPTLanguageModel(L.LightningModule):
             top_k: sample among the k most likely tokens only; None samples from all.
             activation_checkpointing: recompute each block's activations in backward instead of keeping them.
             compile: torch.compile each Transformer block.
+            seed: the initial weights and generation's sampling follow from it; the CLI links it to seed_everything.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -79,10 +82,9 @@ class GPTLanguageModel(L.LightningModule):
             "temperature": (temperature > 0, "> 0"),
             "top_k": (top_k is None or top_k >= 1, ">= 1, or null to sample from all tokens"),
         }, locals())
-        if model_name not in GPT_CONFIGS:
-            raise UserError(f"unknown model.model_name '{model_name}': choose one of {', '.join(GPT_CONFIGS)}")
         self.config = gpt_config(model_name, vocab_size=vocab_size, dropout=dropout)
         self.model: GPT | None = None  # built by configure_model, where the strategy's device mesh is known
+        self.run_plan: RunPlan | None = None  # handed over by the CLI before training
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
 
@@ -108,7 +110,7 @@ class GPTLanguageModel(L.LightningModule):
         self.model = build_gpt(
             self.config,
             device=device,
-            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+            seed=self.hparams.seed,
             device_mesh=self.device_mesh,
             activation_checkpointing=self.hparams.activation_checkpointing,
             compile=self.hparams.compile,
@@ -163,7 +165,7 @@ class GPTLanguageModel(L.LightningModule):
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
         # once per optimizer step: a step's logged value is its last micro-batch's anyway, and each self.log
         # costs about a millisecond of Lightning bookkeeping
-        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:
+        if run_plan_of(self).ends_optimizer_step(batch_idx):
             self.log("train/loss", loss, prog_bar=True)
             self.log("lr", self.lr_schedulers().get_last_lr()[0])
         return loss
@@ -205,7 +207,7 @@ class GPTLanguageModel(L.LightningModule):
         the same tokens: under sharded strategies generation is a collective all ranks run together."""
         was_training = self.model.training
         self.model.eval()
-        generator = torch.Generator(device=self.device).manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 0)))
+        generator = torch.Generator(device=self.device).manual_seed(self.hparams.seed)
         tokens = self.model.generate(
             prompt.to(self.device), self.hparams.max_new_tokens, self.hparams.temperature, self.hparams.top_k, generator
         )

@@ -12,12 +12,14 @@ import torch.distributed.distributed_c10d
 
 from app.callbacks import NcclFlightRecorder, PerRankSeed
 from app.checkpoints import replace_path
+from core.run_plan import RunPlan
 
 
 def draw_after_seeding(rank: int, step: int, batch_idx: int) -> torch.Tensor:
-    strategy = SimpleNamespace(distributed_sampler_kwargs={"rank": rank, "num_replicas": 2})
-    trainer = SimpleNamespace(strategy=strategy, global_step=step)
-    PerRankSeed().on_train_batch_start(trainer, None, None, batch_idx)
+    plan = RunPlan(devices_per_node=2, num_nodes=1, data_parallel_size=2, tensor_parallel_size=1, global_batch_size=4,
+                   micro_batch_size=2, sequence_length=8, precision="32-true", seed=1337)
+    trainer = SimpleNamespace(global_rank=rank, global_step=step)
+    PerRankSeed().on_train_batch_start(trainer, SimpleNamespace(run_plan=plan), None, batch_idx)
     return torch.rand(4)
 
 

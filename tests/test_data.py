@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
 from core.errors import UserError
+from core.run_plan import RunPlan
 from core.tokens import IGNORE_INDEX
 from datamodules.language_modeling import LanguageModelingDataModule
 from datamodules.prepare import collect_text_files, main as prepare_main, prepare_byte_corpus
@@ -27,11 +28,17 @@ from models.gpt import GPT, gpt_config
 STEPS_PER_EPOCH = 200 // 16
 
 
+def data_parallel_plan(world_size: int, global_batch: int = 16, micro: int = 2, seed: int = 7) -> RunPlan:
+    return RunPlan(devices_per_node=world_size, num_nodes=1, data_parallel_size=world_size, tensor_parallel_size=1,
+                   global_batch_size=global_batch, micro_batch_size=micro, sequence_length=10, precision="32-true",
+                   seed=seed)
+
+
 def rank_streams(world_size: int, start_step: int = 0, seed: int = 7, global_batch: int = 16, micro: int = 2,
                  num_samples: int = 200) -> list[list[int]]:
     """Each rank's indices for one iteration (an epoch's worth of steps) that starts at ``start_step``."""
-    return [list(GlobalBatchSampler(num_samples, global_batch, micro, rank, world_size, seed, lambda: start_step))
-            for rank in range(world_size)]
+    plan = data_parallel_plan(world_size, global_batch, micro, seed)
+    return [list(GlobalBatchSampler(num_samples, plan, rank, lambda: start_step)) for rank in range(world_size)]
 
 
 def step_sets(streams: list[list[int]], global_batch: int) -> list[set[int]]:
@@ -76,8 +83,8 @@ def test_resuming_at_a_step_continues_the_same_stream() -> None:
 
 
 def test_sampler_length_is_whole_steps() -> None:
-    sampler = GlobalBatchSampler(200, 16, 2, 0, 2, 0)
-    assert sampler.accumulation == 4 and len(sampler) == STEPS_PER_EPOCH * 8 == len(list(sampler))
+    sampler = GlobalBatchSampler(200, data_parallel_plan(2, global_batch=16, micro=2), 0)
+    assert sampler.plan.accumulation == 4 and len(sampler) == STEPS_PER_EPOCH * 8 == len(list(sampler))
 
 
 def chosen_windows(num_windows: int, num_chosen: int, world_size: int) -> list[int]:
@@ -111,19 +118,20 @@ def test_limited_validation_reads_the_same_windows_at_any_world_size() -> None:
     assert list(sampler) == list(sampler)  # nothing random or stateful: a resumed run validates the same windows
 
 
-def stub_trainer(rank: int, world_size: int, limit_val_batches: int | float) -> SimpleNamespace:
-    """What the datamodule asks of a trainer: this rank's place, the validation limit and the step."""
-    strategy = SimpleNamespace(distributed_sampler_kwargs={"rank": rank, "num_replicas": world_size})
-    return SimpleNamespace(strategy=strategy, limit_val_batches=limit_val_batches, limit_test_batches=1.0,
-                           global_step=0)
+def stub_trainer(rank: int, limit_val_batches: int | float) -> SimpleNamespace:
+    """What the datamodule asks of a trainer: this rank, the validation limit and the step."""
+    return SimpleNamespace(global_rank=rank, limit_val_batches=limit_val_batches, limit_test_batches=1.0, global_step=0)
 
 
 def validation_windows(datamodule: LanguageModelingDataModule, world_size: int,
                        limit_val_batches: int | float = 1.0) -> list[int]:
     """The val.bin windows that all ranks of a ``world_size`` run read together."""
     windows = []
+    # validation reads by data-parallel rank only; any global batch the ranks divide will do
+    datamodule.run_plan = data_parallel_plan(world_size, global_batch=datamodule.micro_batch_size * world_size,
+                                             micro=datamodule.micro_batch_size)
     for rank in range(world_size):
-        datamodule.trainer = stub_trainer(rank, world_size, limit_val_batches)
+        datamodule.trainer = stub_trainer(rank, limit_val_batches)
         windows += [i for i in datamodule.val_dataloader().sampler if i != PADDING_INDEX]
     return windows
 
@@ -156,7 +164,8 @@ def test_an_integer_limit_reads_its_batches_per_rank_spread_over_the_file(
         assert len(windows) == 4 * 2 * world_size  # Lightning's limit counts micro-batches per rank
         assert windows[0] == 0 and windows[-1] >= 999 - math.ceil(999 / len(windows))
     assert len(validation_windows(datamodule, 2, limit_val_batches=1000)) == 999  # at most the whole file
-    datamodule.trainer = stub_trainer(0, 1, limit_val_batches=4)
+    datamodule.trainer = stub_trainer(0, limit_val_batches=4)
+    datamodule.run_plan = data_parallel_plan(1, global_batch=2, micro=2)
     assert len(datamodule.test_dataloader().sampler) == 999  # test has its own limit (here none)
 
 
@@ -195,7 +204,8 @@ def test_a_limited_validation_reports_the_loss_of_the_whole_file(byte_corpus: Pa
     datamodule = LanguageModelingDataModule(str(byte_corpus), sequence_length=64, global_batch_size=16,
                                             micro_batch_size=16)
     datamodule.setup("fit")
-    datamodule.trainer = stub_trainer(0, 1, limit_val_batches=16)  # 16 x 16 = 256 of val.bin's 938 windows
+    datamodule.trainer = stub_trainer(0, limit_val_batches=16)  # 16 x 16 = 256 of val.bin's 938 windows
+    datamodule.run_plan = data_parallel_plan(1, global_batch=16, micro=16, seed=1337)
     torch.manual_seed(0)
     model = GPT(gpt_config("debug"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from app.flops import formula_flops_per_token, measured_flops_per_token, peak_tflops_per_device
 from app.monitoring import RankMonitor
+from core.run_plan import RunPlan
 from models.gpt import GPT_CONFIGS
 from tests.helpers import DDP_2, QUIET, REPO_ROOT, free_port, run_cohort
 
@@ -80,7 +81,9 @@ def test_tokens_per_second_and_mfu_do_not_depend_on_world_size(world_size: int) 
     """Global batch 32 x 128 tokens per optimizer step, 0.5 s per step: the same numbers however it is split (the
     report works from whole optimizer steps, so accumulation never enters it)."""
     monitor = RankMonitor(peak_tflops=100.0)
-    monitor.tokens_per_step, monitor.samples_per_step = 32 * 128, 32
+    monitor._plan = RunPlan(devices_per_node=world_size, num_nodes=1, data_parallel_size=world_size,
+                            tensor_parallel_size=1, global_batch_size=32, micro_batch_size=16, sequence_length=128,
+                            precision="32-true", seed=0)
     monitor.flops_per_token, monitor.peak, monitor.hosts = 1e9, 100.0, ["h"] * world_size
     logged: dict[str, float] = {}
     logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.update(metrics))

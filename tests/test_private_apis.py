@@ -12,7 +12,6 @@ import torch
 from lightning.fabric.utilities import load
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.strategies import ModelParallelStrategy
 
 # (owner, attribute, who uses it and why)
 PRIVATE_METHODS = [
@@ -31,8 +30,6 @@ PRIVATE_ATTRIBUTES = [
     ("checkpoint", "_last_global_step_saved", "RunCheckpoint._write replaces Trainer.save_checkpoint"),
     ("trainer", "_checkpoint_connector", "RunCheckpoint._write: dump_checkpoint without the barrier after it"),
     ("module", "_trainer", "models/language_model.py configure_model: the trainer or None, without raising"),
-    ("model_parallel", "_data_parallel_size", "app/run_plan.py: the sizes as configured, before setup"),
-    ("model_parallel", "_tensor_parallel_size", "app/run_plan.py: the sizes as configured, before setup"),
     ("fused_adamw", "_step_supports_amp_scaling", "bad_steps, language_model: the step reads found_inf itself"),
 ]
 
@@ -40,8 +37,7 @@ PRIVATE_ATTRIBUTES = [
 def instances() -> dict[str, object]:
     fused_adamw = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], fused=True)
     return {"checkpoint": ModelCheckpoint(), "trainer": L.Trainer(logger=False, enable_checkpointing=False),
-            "module": L.LightningModule(), "fused_adamw": fused_adamw,
-            "model_parallel": ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)}
+            "module": L.LightningModule(), "fused_adamw": fused_adamw}
 
 
 @pytest.mark.parametrize(("owner", "name", "why"), PRIVATE_METHODS, ids=[name for _, name, _ in PRIVATE_METHODS])

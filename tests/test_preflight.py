@@ -1,4 +1,5 @@
-"""Batch arithmetic, precision checks, learning-rate schedule and scaling."""
+"""The run plan and the pre-flight checks that resolve it (batch arithmetic, sizes, seed, precision), the
+learning-rate schedule and scaling."""
 
 from __future__ import annotations
 
@@ -7,24 +8,68 @@ import math
 import pytest
 import torch
 
-from app.run_plan import gradient_accumulation, resolve_precision
+from app.doctor import DoctorCLI
+from app.preflight import check_config, resolve_precision
 from core.errors import UserError
+from core.run_plan import RunPlan
 from models.gpt import GPT, GPT_CONFIGS
 from models.language_model import GPTLanguageModel, warmup_cosine_schedule, weight_decay_groups
 
 
+def plan(world_size: int = 1, micro: int = 4, global_batch: int = 32, num_nodes: int = 1,
+         tensor_parallel: int = 1) -> RunPlan:
+    return RunPlan(devices_per_node=world_size // num_nodes, num_nodes=num_nodes,
+                   data_parallel_size=world_size // tensor_parallel, tensor_parallel_size=tensor_parallel,
+                   global_batch_size=global_batch, micro_batch_size=micro, sequence_length=64, precision="32-true",
+                   seed=0)
+
+
 @pytest.mark.parametrize(("world_size", "micro", "expected"), [(1, 4, 8), (2, 4, 4), (8, 4, 1), (4, 2, 4)])
 def test_accumulation_keeps_the_global_batch(world_size: int, micro: int, expected: int) -> None:
-    assert gradient_accumulation(32, micro, world_size) == expected
+    assert plan(world_size, micro).accumulation == expected
     assert expected * micro * world_size == 32
+
+
+def test_tensor_parallel_ranks_share_a_data_parallel_rank() -> None:
+    run = plan(world_size=8, micro=2, tensor_parallel=2)  # mesh (data_parallel 4, tensor_parallel 2), row-major
+    assert run.accumulation == 4
+    assert [run.data_parallel_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [run.tensor_parallel_rank(rank) for rank in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert [index for index in range(12) if run.ends_optimizer_step(index)] == [3, 7, 11]
 
 
 def test_non_dividing_batch_names_every_number() -> None:
     with pytest.raises(UserError) as error:
-        gradient_accumulation(global_batch_size=30, micro_batch_size=4, world_size=4, num_nodes=2)
+        plan(global_batch=30, micro=4, world_size=4, num_nodes=2)
     message = str(error.value)
     assert "global_batch_size=30" in message and "micro_batch_size=4" in message
     assert "4 processes (2 devices x 2 nodes) = 16" in message and "\n" not in message
+
+
+def test_sizes_that_do_not_make_the_world_size_are_refused() -> None:
+    with pytest.raises(UserError, match="data_parallel_size=2 x tensor_parallel_size=2 must equal the world size 2"):
+        RunPlan(devices_per_node=2, num_nodes=1, data_parallel_size=2, tensor_parallel_size=2, global_batch_size=8,
+                micro_batch_size=2, sequence_length=8, precision="32-true", seed=0)
+    with pytest.raises(UserError, match="data.micro_batch_size=0 must be a positive integer"):
+        plan(micro=0)
+
+
+def test_the_plan_is_resolved_from_the_config_alone(debug_run_args: list[str]) -> None:
+    """The config as fit parses it (nothing instantiated): sizes, seed and precision in one value."""
+    cli = DoctorCLI([*debug_run_args, "--trainer.devices", "4", "--trainer.strategy", "ddp",
+                     "--seed_everything", "7", "--data.global_batch_size", "32", "--data.micro_batch_size", "4",
+                     "--trainer.precision", "bf16"])
+    resolved = check_config(cli.config)
+    assert (resolved.world_size, resolved.data_parallel_size, resolved.accumulation) == (4, 4, 2)
+    assert (resolved.seed, resolved.precision, resolved.sequence_length) == (7, "bf16-mixed", 64)
+    assert cli.config.model.seed == 7  # linked, as vocab_size is
+
+
+def test_a_seed_that_is_not_an_integer_is_refused(debug_run_args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Lightning's seed_everything also takes true (a random seed), which a resumed run could not draw again."""
+    with pytest.raises(SystemExit) as exit_info:
+        DoctorCLI([*debug_run_args, "--seed_everything", "true"])
+    assert exit_info.value.code == 2 and "seed_everything" in capsys.readouterr().err
 
 
 def test_precision_aliases_and_cpu_rules() -> None:

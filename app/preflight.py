@@ -1,0 +1,253 @@
+"""Pre-flight: every check that can stop a run before anything is built, run alike by fit, validate, test and
+predict (app/cli.py), by ``cohort doctor`` (which adds only its probes) and, for what the config alone decides, by
+``--print_config``; and the run plan they resolve (core/run_plan.py), from the config and the launcher.
+
+A failing check raises a UserError whose one line says what was wrong and what to do, before any process group,
+model or file exists.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from jsonargparse import Namespace
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+from lightning.pytorch.utilities import rank_zero_info
+
+from app.checkpoints import check_checkpoint, find_last_checkpoint
+from app.launch import parent_start_time, torchrun_restart
+from core.errors import UserError
+from core.run_plan import RunPlan
+from models.gpt import gpt_config
+from models.parallelize import check_tensor_parallel_size
+
+PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
+SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+
+class Preflight:
+    """The checks of one command's config, in order. ``run`` raises at the first failure; ``cohort doctor`` runs
+    ``checks`` one by one and reports each. The run plan is set once its check has passed."""
+
+    def __init__(self, config: Namespace, subcommand: str | None) -> None:
+        self.config = config
+        self.subcommand = subcommand
+        self.plan: RunPlan | None = None
+
+    def checks(self) -> list[tuple[str, Callable[[], str]]]:
+        """(name, check) pairs; each check returns one line on what it found."""
+        return [("world size", self.check_world_size), ("precision", self.check_precision),
+                ("run plan", self.check_run_plan), ("checkpoint", self.check_resume), ("folders", self.check_folders)]
+
+    def run(self) -> RunPlan:
+        for _, check in self.checks():
+            check()
+        assert self.plan is not None
+        return self.plan
+
+    def check_world_size(self) -> str:
+        trainer = self.config.trainer
+        check_launch(trainer)
+        return f"{devices_per_node(trainer)} devices x {trainer.num_nodes} nodes"
+
+    def check_precision(self) -> str:
+        trainer = self.config.trainer
+        trainer.precision = resolve_precision(trainer.precision, accelerator_name(trainer))
+        return trainer.precision
+
+    def check_run_plan(self) -> str:
+        self.plan = check_config(self.config)
+        return self.plan.describe()
+
+    def check_resume(self) -> str:
+        """Resolve ``--ckpt_path last`` (and a torchrun restart's own run) and read the checkpoint's header."""
+        config = self.config
+        if "ckpt_path" not in config:  # cohort doctor: no subcommand, nothing to resume
+            return "nothing to resume"
+        if config.weights_only is None:  # checkpoints are data: refuse a pickle that asks for code, whatever torch's default
+            config.weights_only = True
+        if config.ckpt_path == "last":
+            config.ckpt_path = resume_last(config.trainer)
+        elif config.ckpt_path is None and self.subcommand == "fit" and torchrun_restart() > 0:
+            # torchrun restarted the ranks after one failed: continue this job's run, not an older one in the folder
+            config.ckpt_path = resume_last(config.trainer, written_since=parent_start_time())
+        if config.ckpt_path in (None, "last"):
+            return "a new run" if config.ckpt_path is None else "Lightning's own lookup of the last checkpoint"
+        check_checkpoint(Path(config.ckpt_path), config.model, config.weights_only)
+        return f"resumes from {config.ckpt_path}"
+
+    def check_folders(self) -> str:
+        folders = {"log folder": log_root(self.config.trainer), "checkpoint folder": self.config.checkpoint.dirpath}
+        for what, folder in folders.items():
+            if folder is not None:
+                check_writable_folder(Path(folder), what)
+        return ", ".join(str(folder) for folder in folders.values() if folder is not None) + " writable"
+
+
+def check_config(config: Namespace) -> RunPlan:
+    """What the config alone decides, on any machine (``--print_config`` checks this much): the strategy, the sizes
+    and the batch arithmetic, and whether the model fits them. Returns the run plan."""
+    trainer, data = config.trainer, config.data
+    if trainer.use_distributed_sampler:
+        raise UserError("trainer.use_distributed_sampler must stay false: the datamodule gives each rank its "
+                        "own samples, and Lightning's sampler would reorder them")
+    if trainer.accumulate_grad_batches != 1:
+        raise UserError(f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches} is derived here: set "
+                        "data.global_batch_size and data.micro_batch_size instead and leave it at 1")
+    check_strategy(trainer.strategy, accelerator_name(trainer))
+    data_parallel, tensor_parallel = parallel_sizes(trainer)
+    plan = RunPlan(
+        devices_per_node=devices_per_node(trainer), num_nodes=int(trainer.num_nodes),
+        data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel,
+        global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch_size,
+        sequence_length=data.sequence_length, precision=precision_name(trainer.precision), seed=config.seed_everything,
+    )
+    model_config = gpt_config(config.model.model_name, vocab_size=data.vocab_size)
+    try:
+        check_tensor_parallel_size(model_config.n_head, tensor_parallel)
+    except ValueError as error:
+        raise UserError(f"{error} (model '{config.model.model_name}')") from None
+    if data.sequence_length > model_config.block_size:
+        raise UserError(f"data.sequence_length={data.sequence_length} exceeds the block_size {model_config.block_size} "
+                        f"of model '{config.model.model_name}': shorten the sequences or pick a larger model")
+    if strategy_name(trainer.strategy).endswith("FSDPStrategy") and config.model.activation_checkpointing:
+        raise UserError("model.activation_checkpointing is for DDP and model_parallel; under fsdp set "
+                        "trainer.strategy.init_args.activation_checkpointing_policy (see configs/trainer/fsdp_gpu_bf16.yaml)")
+    return plan
+
+
+def strategy_name(strategy: str | Namespace | None) -> str:
+    """A strategy's registry name ("ddp") or class path, as the config gives it."""
+    return strategy if isinstance(strategy, str) else str(getattr(strategy, "class_path", ""))
+
+
+def accelerator_name(trainer: Namespace) -> str:
+    return trainer.accelerator if isinstance(trainer.accelerator, str) else "custom"
+
+
+def devices_per_node(trainer: Namespace) -> int:
+    """trainer.devices as a count, with Lightning's "auto" / -1 / list forms resolved as Lightning resolves them."""
+    devices = trainer.devices
+    if devices in ("auto", -1, "-1"):
+        return torch.cuda.device_count() if torch.cuda.is_available() and trainer.accelerator != "cpu" else 1
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, str) and "," in devices:
+        return len(devices.strip(",").split(","))
+    return int(devices)
+
+
+def parallel_sizes(trainer: Namespace) -> tuple[int, int]:
+    """(data-parallel size, tensor-parallel size) as the config asks. ModelParallelStrategy's "auto" is data
+    parallel over the nodes and tensor parallel within one; every other strategy is data parallel only."""
+    if not strategy_name(trainer.strategy).endswith("ModelParallelStrategy"):
+        return devices_per_node(trainer) * int(trainer.num_nodes), 1
+    sizes = trainer.strategy.init_args
+    data_parallel = getattr(sizes, "data_parallel_size", "auto")
+    tensor_parallel = getattr(sizes, "tensor_parallel_size", "auto")
+    return (int(trainer.num_nodes) if data_parallel == "auto" else int(data_parallel),
+            devices_per_node(trainer) if tensor_parallel == "auto" else int(tensor_parallel))
+
+
+def check_strategy(strategy: str | Namespace | None, accelerator: str) -> None:
+    """FSDP (version 1) needs GPUs; on CPUs the same sharding runs as FSDP2 under ModelParallelStrategy."""
+    name = strategy_name(strategy)
+    is_fsdp = name == "fsdp" or name.endswith("FSDPStrategy")
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if is_fsdp and on_cpu:
+        raise UserError("trainer.strategy fsdp needs CUDA GPUs: on CPUs use configs/trainer/model_parallel_cpu.yaml "
+                        "(FSDP2 through ModelParallelStrategy over gloo)")
+
+
+def precision_name(precision: str | int | None) -> str:
+    """Lightning's full name for a precision the config gives; a UserError for one Cohort does not support."""
+    name = "32-true" if precision is None else PRECISION_ALIASES.get(str(precision), str(precision))
+    if name not in SUPPORTED_PRECISIONS:
+        raise UserError(f"trainer.precision={precision!r} is not supported: use one of {', '.join(SUPPORTED_PRECISIONS)}")
+    return name
+
+
+def resolve_precision(precision: str | int | None, accelerator: str) -> str:
+    """The precision Lightning should get; a UserError where the device cannot run the one asked for."""
+    requested = precision_name(precision)
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise UserError(
+            f"trainer.accelerator={accelerator} but no CUDA GPU is visible: use configs/trainer/cpu.yaml, "
+            "or check the driver and CUDA_VISIBLE_DEVICES"
+        )
+    if on_gpu and requested.startswith("bf16") and not torch.cuda.is_bf16_supported():
+        raise UserError(f"trainer.precision={requested}: this GPU has no bfloat16 support; use 16-mixed or 32-true")
+    if not on_gpu and requested == "16-true":
+        raise UserError("trainer.precision=16-true: CPUs have no float16 kernels worth training with; "
+                        "use bf16-true, bf16-mixed or 32-true")
+    if not on_gpu and requested == "16-mixed":
+        rank_zero_info("precision: 16-mixed asked for, but CPU autocast has no float16, so this runs as bf16-mixed "
+                       "(bfloat16 autocast, no grad scaler)")
+        return "bf16-mixed"
+    return requested
+
+
+def check_launch(trainer: Namespace) -> None:
+    """A UserError, in seconds, when the processes that exist cannot form the job the config describes; otherwise
+    the ranks would wait for each other until a timeout. Lightning alone starts processes on this machine only."""
+    expected = devices_per_node(trainer) * int(trainer.num_nodes)
+    if TorchElasticEnvironment.detect():
+        launcher, started = "torchrun", int(os.environ["WORLD_SIZE"])
+        restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+        if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            raise UserError("torchrun --max-restarts here lends its rendezvous store to every attempt, so a restarted "
+                            "rank would read the dead ranks' addresses and fail or hang (pytorch/pytorch#135712): "
+                            "launch with scripts/torchrun.sh, or set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and give "
+                            "torchrun --standalone (one node) or --rdzv-backend c10d (several)")
+    elif SLURMEnvironment.detect():
+        launcher, started = "srun", int(os.environ["SLURM_NTASKS"])
+    elif int(trainer.num_nodes) > 1:
+        raise UserError(f"trainer.num_nodes={trainer.num_nodes} but no launcher started this process, so the other "
+                        "nodes' processes would be waited for forever: on every node run scripts/torchrun.sh (torchrun), "
+                        "or submit scripts/slurm/train.sbatch (srun)")
+    else:
+        return
+    if started != expected:
+        raise UserError(f"{launcher} started {started} processes but trainer.devices={trainer.devices} x "
+                        f"trainer.num_nodes={trainer.num_nodes} = {expected}: make the two agree (for srun: "
+                        "--ntasks-per-node = devices, --nodes = num_nodes)")
+
+
+def check_writable_folder(folder: Path, what: str) -> Path:
+    """A UserError unless ``folder`` is, or can be made as, a writable folder; creates nothing. Returns the nearest
+    folder that exists (``folder`` itself or a parent), where its files will go."""
+    existing = next(parent for parent in (folder, *folder.parents) if parent.exists())
+    if not existing.is_dir():
+        raise UserError(f"the {what} {folder} cannot be made: {existing} is a file, not a folder: point it at a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"the {what} {folder} cannot be written: {existing} is not writable (permissions or a "
+                        "read-only file system): point it at a writable folder")
+    return existing
+
+
+def resume_last(trainer_config: Namespace, written_since: float = 0.0) -> str | None:
+    """Resolve ``--ckpt_path last`` to the newest run's last.ckpt, if written after ``written_since`` (seconds since
+    the epoch), and log into that run's folder again."""
+    root = log_root(trainer_config)
+    if root is None:
+        return "last"  # another logger: Lightning's own lookup
+    checkpoint = find_last_checkpoint(root)
+    if checkpoint is None or checkpoint.lstat().st_mtime < written_since:
+        rank_zero_info(f"--ckpt_path last: no checkpoint under {root}/version_*/checkpoints"
+                       f"{' from this job' if written_since else ''}, starting a new run")
+        return None
+    trainer_config.logger.init_args.version = checkpoint.parent.parent.name
+    rank_zero_info(f"resuming from {checkpoint}")
+    return str(checkpoint)
+
+
+def log_root(trainer_config: Namespace) -> Path | None:
+    """The TensorBoard logger's folder of run versions (save_dir/name); None for another logger."""
+    logger = trainer_config.logger
+    if not (hasattr(logger, "class_path") and logger.class_path.endswith("TensorBoardLogger")):
+        return None
+    return Path(logger.init_args.save_dir) / logger.init_args.name

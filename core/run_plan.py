@@ -1,0 +1,95 @@
+"""The run plan: the shape of one run, resolved once from the config and the launcher (``app/preflight.py``) and
+handed to the data, the model, the callbacks and ``cohort doctor``, so that none of them works it out again.
+
+    world size   = devices per node x nodes = data-parallel x tensor-parallel x pipeline stages
+    global batch = micro batch x data-parallel size x accumulation
+
+Ranks sit on ModelParallelStrategy's device mesh, row-major over (data_parallel, tensor_parallel): rank r is
+data-parallel rank r // tensor_parallel_size and tensor-parallel rank r % tensor_parallel_size. Ranks of one
+tensor-parallel group read the same samples; under DDP every rank is its own data-parallel rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.errors import UserError, check_ranges
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    devices_per_node: int
+    num_nodes: int
+    data_parallel_size: int
+    tensor_parallel_size: int
+    global_batch_size: int
+    micro_batch_size: int
+    sequence_length: int
+    precision: str  # Lightning's name, e.g. "bf16-mixed"
+    seed: int  # seed_everything: data order, initial weights and dropout all follow from it
+    pipeline_parallel_size: int = 1  # pipeline stages; 1 until pipeline parallelism arrives
+
+    def __post_init__(self) -> None:
+        check_ranges("trainer", {"devices": (self.devices_per_node >= 1, "at least 1 per node"),
+                                 "num_nodes": (self.num_nodes >= 1, "at least 1")},
+                     {"devices": self.devices_per_node, "num_nodes": self.num_nodes})
+        check_ranges("data", {"global_batch_size": (self.global_batch_size >= 1, "a positive integer"),
+                              "micro_batch_size": (self.micro_batch_size >= 1, "a positive integer")},
+                     {"global_batch_size": self.global_batch_size, "micro_batch_size": self.micro_batch_size})
+        sizes = self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
+        if sizes != self.world_size:
+            raise UserError(
+                f"data_parallel_size={self.data_parallel_size} x tensor_parallel_size={self.tensor_parallel_size} "
+                f"must equal the world size {self.world_size} ({self.devices_per_node} devices x {self.num_nodes} "
+                "nodes): change the sizes in trainer.strategy.init_args or the devices"
+            )
+        per_pass = self.micro_batch_size * self.data_parallel_size
+        if self.global_batch_size % per_pass != 0:
+            ranks = f"{self.world_size} processes ({self.devices_per_node} devices x {self.num_nodes} nodes)"
+            if self.data_parallel_size != self.world_size:
+                ranks = (f"{self.data_parallel_size} data-parallel ranks ({ranks} / tensor_parallel_size "
+                         f"{self.tensor_parallel_size})")
+            raise UserError(
+                f"data.global_batch_size={self.global_batch_size} is not a multiple of data.micro_batch_size="
+                f"{self.micro_batch_size} x {ranks} = {per_pass}: choose a global batch that is a multiple of "
+                f"{per_pass}, or another micro batch"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.devices_per_node * self.num_nodes
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per optimizer step on each rank."""
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.sequence_length
+
+    def data_parallel_rank(self, global_rank: int) -> int:
+        """Which share of each global batch ``global_rank`` reads."""
+        return global_rank // self.tensor_parallel_size
+
+    def tensor_parallel_rank(self, global_rank: int) -> int:
+        return global_rank % self.tensor_parallel_size
+
+    def ends_optimizer_step(self, batch_index: int) -> bool:
+        """Whether micro-batch ``batch_index`` of an epoch is the last of its optimizer step. Epochs hold whole
+        steps, so counting from the epoch's start is enough."""
+        return (batch_index + 1) % self.accumulation == 0
+
+    def describe(self) -> str:
+        return (f"global batch {self.global_batch_size} = micro batch {self.micro_batch_size} x "
+                f"{self.data_parallel_size} data-parallel ranks x {self.accumulation} accumulation steps; "
+                f"{self.tokens_per_step:,} tokens per optimizer step")
+
+
+def run_plan_of(holder: object) -> RunPlan:
+    """The run plan handed to a model or datamodule (its ``run_plan``); a UserError where none was."""
+    plan = getattr(holder, "run_plan", None)
+    if plan is None:
+        raise UserError(f"{type(holder).__name__} has no run plan: train it through the cohort command, or set its "
+                        "run_plan to a core.run_plan.RunPlan first")
+    return plan
