@@ -113,7 +113,7 @@ def check_config(config: Namespace) -> RunPlan:
     if data.sequence_length > model_config.block_size:
         raise UserError(f"data.sequence_length={data.sequence_length} exceeds the block_size {model_config.block_size} "
                         f"of model '{config.model.model_name}': shorten the sequences or pick a larger model")
-    if strategy_name(trainer.strategy).endswith("FSDPStrategy") and config.model.activation_checkpointing:
+    if is_fsdp(trainer.strategy) and config.model.activation_checkpointing:
         raise UserError("model.activation_checkpointing is for DDP and model_parallel; under fsdp set "
                         "trainer.strategy.init_args.activation_checkpointing_policy (see configs/trainer/fsdp_gpu_bf16.yaml)")
     return plan
@@ -122,6 +122,12 @@ def check_config(config: Namespace) -> RunPlan:
 def strategy_name(strategy: str | Namespace | None) -> str:
     """A strategy's registry name ("ddp") or class path, as the config gives it."""
     return strategy if isinstance(strategy, str) else str(getattr(strategy, "class_path", ""))
+
+
+def is_fsdp(strategy: str | Namespace | None) -> bool:
+    """FSDP version 1: Lightning's "fsdp" strategies (FSDP2 runs under ModelParallelStrategy)."""
+    name = strategy_name(strategy)
+    return name.startswith("fsdp") or name.endswith("FSDPStrategy")
 
 
 def accelerator_name(trainer: Namespace) -> str:
@@ -154,10 +160,8 @@ def parallel_sizes(trainer: Namespace) -> tuple[int, int]:
 
 def check_strategy(strategy: str | Namespace | None, accelerator: str) -> None:
     """FSDP (version 1) needs GPUs; on CPUs the same sharding runs as FSDP2 under ModelParallelStrategy."""
-    name = strategy_name(strategy)
-    is_fsdp = name == "fsdp" or name.endswith("FSDPStrategy")
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
-    if is_fsdp and on_cpu:
+    if is_fsdp(strategy) and on_cpu:
         raise UserError("trainer.strategy fsdp needs CUDA GPUs: on CPUs use configs/trainer/model_parallel_cpu.yaml "
                         "(FSDP2 through ModelParallelStrategy over gloo)")
 
