@@ -1,8 +1,11 @@
-"""Checkpoints: writing them so that a crash never leaves a half-written one in place, finding the newest, and
-reading them as data.
+"""Checkpoints: writing them so that a crash never leaves a half-written one in place, finding the newest, checking
+one before a run starts, reading them as data, keying optimizer state by parameter name, and consolidating a
+sharded one into one file.
 
 A checkpoint is one file (one process, DDP) or a folder of shards (torch.distributed.checkpoint, under fsdp and
-model_parallel) whose ``meta.pt`` holds everything but the weights and optimizer states. Every read goes through
+model_parallel) whose ``meta.pt`` holds everything but the weights and optimizer states. Either way the optimizer
+state is keyed by parameter name, as sharded strategies store it, so a checkpoint moves between strategies: a
+plain optimizer's positions depend on the weight-decay groups, names do not. Every read goes through
 torch's ``weights_only`` unpickler, which builds only tensors, containers and plain values: a file whose pickle
 would import or call anything else is refused with the name of what it asked for, and nothing of it runs.
 Cohort's own checkpoints need nothing beyond that unpickler's defaults. ``--weights_only false`` on the command
@@ -25,11 +28,14 @@ from weakref import proxy
 import lightning as L
 import torch
 from jsonargparse import Namespace
+from lightning.fabric.utilities.load import _load_distributed_checkpoint
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from core.errors import UserError
+from models.parallelize import CHECKPOINT_WRAPPER_PREFIX
 
 META_FILE = "meta.pt"  # what Lightning writes beside the shards: loop state, hyperparameters, callbacks
 
@@ -45,6 +51,9 @@ class RunCheckpoint(ModelCheckpoint):
     one ever written: if any rank's weights or optimizer state hold NaN or inf, every rank stops with one line and
     the previous checkpoint stays the newest. A write that fails on any rank (a full disk, no permission) also
     stops every rank with one line; the partial is removed and the previous checkpoint stays the newest.
+
+    Its hooks key a plain optimizer's state by parameter name in every checkpoint the trainer writes, and back to
+    positions in every one it loads.
     """
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
@@ -126,6 +135,12 @@ class RunCheckpoint(ModelCheckpoint):
             candidates = self._monitor_candidates(trainer)
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        name_optimizer_states(trainer, checkpoint)  # Lightning calls this after it has put in the optimizer states
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        number_optimizer_states(trainer, checkpoint)  # Lightning calls this before it loads the optimizer states
 
     @staticmethod
     def _link_checkpoint(trainer: L.Trainer, filepath: str, linkpath: str) -> None:
@@ -211,6 +226,14 @@ def is_sharded_checkpoint(folder: Path) -> bool:
     return (folder / ".metadata").is_file() and (folder / META_FILE).is_file()
 
 
+def check_sharded_checkpoint(folder: Path) -> None:
+    """A UserError unless ``folder`` is a complete sharded checkpoint."""
+    if not is_sharded_checkpoint(folder):
+        raise UserError(f"checkpoint {folder} is not a complete sharded checkpoint folder (it needs .metadata and "
+                        f"{META_FILE}): pass one the fsdp or model_parallel strategy wrote, e.g. "
+                        "lightning_logs/version_0/checkpoints/last.ckpt")
+
+
 def read_checkpoint(path: Path, weights_only: bool = True) -> dict[str, Any]:
     """A checkpoint file (or a sharded folder's ``meta.pt``) read as data; a UserError for anything else: missing,
     unreadable, not a torch file, a pickle that asks for code, or a torch file that is not a Lightning checkpoint.
@@ -246,9 +269,8 @@ def describe(content: object) -> str:
 
 def check_checkpoint(path: Path, model_config: Namespace, weights_only: bool = True) -> None:
     """A UserError, before anything starts, for a checkpoint that is missing, broken, unsafe, or of another model."""
-    if path.is_dir() and not is_sharded_checkpoint(path):
-        raise UserError(f"checkpoint folder {path} is not a complete sharded checkpoint (no .metadata or "
-                        f"{META_FILE}): use another one")
+    if path.is_dir():
+        check_sharded_checkpoint(path)
     saved = read_checkpoint(path / META_FILE if path.is_dir() else path, weights_only).get("hyper_parameters", {})
     for name in ("model_name", "vocab_size"):  # what decides the shapes of the weights
         if name in saved and saved[name] != model_config[name]:
@@ -262,6 +284,86 @@ def load_training_state(trainer: L.Trainer, path: str) -> None:
     """Weights and optimizer state from one of this run's checkpoints into the running model, on every rank, as
     Lightning loads them on resume; the loops, the LR schedule and the data position stay where they are."""
     checkpoint = trainer.strategy.load_checkpoint(path, weights_only=True)  # sharded: loads in place
-    trainer.lightning_module.on_load_checkpoint(checkpoint)
+    number_optimizer_states(trainer, checkpoint)
     trainer.strategy.load_model_state_dict(checkpoint, strict=True)
     trainer.strategy.load_optimizer_state_dict(checkpoint)
+
+
+def consolidate(folder: Path, output: Path) -> dict[str, Any]:
+    """Write the sharded checkpoint ``folder`` as the single file ``output``, in this one process (the whole
+    checkpoint must fit in its CPU memory); returns the checkpoint."""
+    check_sharded_checkpoint(folder)
+    if output.exists():
+        raise UserError(f"{output} already exists: remove it or name another output file")
+    read_checkpoint(folder / META_FILE)  # refuses a meta.pt whose pickle asks for code, before Lightning reads it
+    checkpoint = _load_distributed_checkpoint(folder)  # shards and meta.pt, as full tensors
+    # ModelParallelStrategy saves the weights as "state_dict", FSDPStrategy as "model"; the optimizers as
+    # optimizer_0, optimizer_1, ... where a single-file checkpoint has the list "optimizer_states"
+    if "model" in checkpoint:
+        checkpoint["state_dict"] = checkpoint.pop("model")
+    optimizer_keys = sorted((key for key in checkpoint if re.fullmatch(r"optimizer_\d+", key)), key=lambda k: int(k[10:]))
+    if optimizer_keys:
+        checkpoint["optimizer_states"] = [checkpoint.pop(key) for key in optimizer_keys]
+    partial = output.with_name(f"{output.name}.partial")
+    torch.save(checkpoint, partial)
+    partial.replace(output)
+    return checkpoint
+
+
+def name_optimizer_states(trainer: L.Trainer, checkpoint: dict[str, Any]) -> None:
+    """Key each plain optimizer's state in ``checkpoint`` by parameter name, in place; sharded strategies'
+    states already are."""
+    names = parameter_names(trainer.lightning_module)
+    states = checkpoint.get("optimizer_states", [])
+    for index, optimizer in enumerate(trainer.optimizers[: len(states)]):
+        if keyed_by_position(states[index]):
+            states[index] = optimizer_state_by_name(states[index], optimizer, names)
+
+
+def number_optimizer_states(trainer: L.Trainer, checkpoint: dict[str, Any]) -> None:
+    """Key each optimizer state in ``checkpoint`` by this run's positions again, in place, for a plain optimizer
+    (DDP, one device); sharded strategies load names themselves. Before the optimizers exist (a fresh resume,
+    which sets them up only after this) there is nothing to match, and torch's ``load_state_dict`` pairs the
+    saved parameters with the optimizer's in order."""
+    if isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
+        return
+    names = parameter_names(trainer.lightning_module)
+    states = checkpoint.get("optimizer_states", [])
+    for index, optimizer in enumerate(trainer.optimizers[: len(states)]):
+        if not keyed_by_position(states[index]):
+            states[index] = optimizer_state_by_position(states[index], optimizer, names)
+
+
+def parameter_names(module: torch.nn.Module) -> dict[int, str]:
+    """Parameter (by id) to its name as checkpoints store it, without wrapper modules' names."""
+    return {id(param): name.replace(CHECKPOINT_WRAPPER_PREFIX, "") for name, param in module.named_parameters()}
+
+
+def keyed_by_position(optimizer_state: dict[str, Any]) -> bool:
+    """Whether a torch optimizer state dict numbers its parameters (torch's own) or names them (ours)."""
+    return any(isinstance(params, int) for group in optimizer_state["param_groups"] for params in group["params"])
+
+
+def optimizer_state_by_name(state: dict[str, Any], optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
+    """A torch optimizer state dict (parameters numbered in param-group order) with parameter names instead."""
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {
+        "state": {order[position]: value for position, value in state["state"].items()},
+        "param_groups": [{**group, "params": [order[position] for position in group["params"]]}
+                         for group in state["param_groups"]],
+    }
+
+
+def optimizer_state_by_position(state: dict[str, Any], optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
+    """The inverse of ``optimizer_state_by_name`` for this optimizer: positions in its own param-group order."""
+    flat = [p for group in optimizer.param_groups for p in group["params"]]
+    position = {names[id(p)]: index for index, p in enumerate(flat)}
+    unknown = [name for group in state["param_groups"] for name in group["params"] if name not in position]
+    if unknown or len(state["param_groups"]) != len(optimizer.param_groups):
+        raise UserError(f"the checkpoint's optimizer state does not fit this model (parameters {unknown[:3]}): "
+                        "resume with the model config it was trained with")
+    groups, start = [], 0
+    for saved, current in zip(state["param_groups"], optimizer.param_groups):
+        groups.append({**saved, "params": list(range(start, start + len(current["params"])))})
+        start += len(current["params"])
+    return {"state": {position[name]: value for name, value in state["state"].items()}, "param_groups": groups}

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.plugins import Precision
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
@@ -20,7 +20,7 @@ from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
 from models.gpt import GPT, gpt_config
-from models.parallelize import CHECKPOINT_WRAPPER_PREFIX, build_gpt, clip_grad_norm_
+from models.parallelize import build_gpt, clip_grad_norm_
 
 # FSDP2's compute dtype for each mixed precision; the sharded float32 master weights stay float32
 FSDP_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -133,29 +133,6 @@ class GPTLanguageModel(L.LightningModule):
             return
         self.log("train/grad_norm", clip_grad_norm_(self.trainer.model, parameters, gradient_clip_val))
 
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Key a plain optimizer's state by parameter name, as sharded strategies do, so that a checkpoint
-        moves between strategies: positions depend on the weight-decay groups, names do not."""
-        names = self._parameter_names()
-        states = checkpoint.get("optimizer_states", [])
-        for index, optimizer in enumerate(self.trainer.optimizers[: len(states)]):
-            if _keyed_by_position(states[index]):
-                states[index] = optimizer_state_by_name(states[index], optimizer, names)
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Back to positions for a plain optimizer (DDP, one device); sharded strategies load names themselves."""
-        if isinstance(self.trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
-            return
-        names = self._parameter_names()
-        states = checkpoint.get("optimizer_states", [])
-        for index, optimizer in enumerate(self.trainer.optimizers[: len(states)]):
-            if not _keyed_by_position(states[index]):
-                states[index] = optimizer_state_by_position(states[index], optimizer, names)
-
-    def _parameter_names(self) -> dict[int, str]:
-        """Parameter (by id) to its name as checkpoints store it, without wrapper modules' names."""
-        return {id(p): name.replace(CHECKPOINT_WRAPPER_PREFIX, "") for name, p in self.named_parameters()}
-
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
@@ -251,35 +228,6 @@ def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str,
     decay = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
     no_decay = [p for p in params if p.dim() < 2 or id(p) in embeddings]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def _keyed_by_position(optimizer_state: dict[str, Any]) -> bool:
-    return any(isinstance(params, int) for group in optimizer_state["param_groups"] for params in group["params"])
-
-
-def optimizer_state_by_name(state: dict[str, Any], optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
-    """A torch optimizer state dict (parameters numbered in param-group order) with parameter names instead."""
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    return {
-        "state": {order[position]: value for position, value in state["state"].items()},
-        "param_groups": [{**group, "params": [order[position] for position in group["params"]]}
-                         for group in state["param_groups"]],
-    }
-
-
-def optimizer_state_by_position(state: dict[str, Any], optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
-    """The inverse of ``optimizer_state_by_name`` for this optimizer: positions in its own param-group order."""
-    flat = [p for group in optimizer.param_groups for p in group["params"]]
-    position = {names[id(p)]: index for index, p in enumerate(flat)}
-    unknown = [name for group in state["param_groups"] for name in group["params"] if name not in position]
-    if unknown or len(state["param_groups"]) != len(optimizer.param_groups):
-        raise UserError(f"the checkpoint's optimizer state does not fit this model (parameters {unknown[:3]}): "
-                        "resume with the model config it was trained with")
-    groups, start = [], 0
-    for saved, current in zip(state["param_groups"], optimizer.param_groups):
-        groups.append({**saved, "params": list(range(start, start + len(current["params"])))})
-        start += len(current["params"])
-    return {"state": {position[name]: value for name, value in state["state"].items()}, "param_groups": groups}
 
 
 def warmup_cosine_schedule(warmup_steps: int, decay_steps: int, min_ratio: float) -> Callable[[int], float]:

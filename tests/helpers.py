@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from app.__main__ import main
+from app.checkpoints import consolidate
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
@@ -110,8 +111,6 @@ def last_checkpoint_weights(run_dir: Path, version: int = 0) -> dict[str, torch.
     """The final weights of a run, also from a sharded checkpoint folder (consolidated first)."""
     path = last_checkpoint(run_dir, version)
     if path.is_dir():
-        from app.consolidate import consolidate
-
         consolidated = path.with_name("last.consolidated.ckpt")
         if not consolidated.exists():
             consolidate(path, consolidated)

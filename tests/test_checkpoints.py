@@ -1,6 +1,7 @@
 """Checkpoints are data: a pickle that asks for code is refused by fit, validate, predict and consolidate before
 any of it runs, and a torch file that is not a Lightning checkpoint is named for what it is (in-process: the
-one-line plumbing itself is proven by tests/test_cli_errors.py). And no checkpoint is written with NaN in it."""
+one-line plumbing itself is proven by tests/test_cli_errors.py). And no checkpoint is written with NaN in it, and
+a plain optimizer's state is stored by parameter name."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from typing import Any
 import pytest
 import torch
 
+from app.checkpoints import optimizer_state_by_name, optimizer_state_by_position, parameter_names
+from models.gpt import gpt_config
+from models.language_model import weight_decay_groups
+from models.parallelize import build_gpt
 from tests.helpers import DDP_2, QUIET, fit, one_line_error, run_cohort
 
 
@@ -102,3 +107,22 @@ def test_the_newest_step_checkpoints_are_kept_and_last_links_to_the_newest(tmp_p
     assert sorted(path.name for path in folder.iterdir()) == ["last.ckpt", "step=000006.ckpt", "step=000007.ckpt"]
     assert os.readlink(folder / "last.ckpt") == "step=000007.ckpt"
     assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 7
+
+
+def test_optimizer_state_goes_by_parameter_name_into_another_parameter_order() -> None:
+    """Stored by name, without activation checkpointing's wrapper; loaded into an optimizer that lists each
+    group's parameters the other way round, every parameter gets its own moments back."""
+    wrapped = build_gpt(gpt_config("debug"), torch.device("cpu"), seed=0, activation_checkpointing=True)
+    optimizer = torch.optim.AdamW(weight_decay_groups(wrapped, 0.1))
+    wrapped(torch.randint(0, 256, (2, 8))).sum().backward()
+    optimizer.step()
+    names = parameter_names(wrapped)
+    by_name = optimizer_state_by_name(optimizer.state_dict(), optimizer, names)
+    plain = build_gpt(gpt_config("debug"), torch.device("cpu"), seed=0)
+    assert set(by_name["state"]) == {name for name, _ in plain.named_parameters()}
+    reversed_groups = [{**group, "params": group["params"][::-1]} for group in weight_decay_groups(plain, 0.1)]
+    other = torch.optim.AdamW(reversed_groups)
+    other.load_state_dict(optimizer_state_by_position(by_name, other, parameter_names(plain)))
+    moments = {names[id(param)]: state["exp_avg"] for param, state in optimizer.state.items()}
+    for name, param in plain.named_parameters():
+        assert torch.equal(other.state[param]["exp_avg"], moments[name]), name
