@@ -8,10 +8,17 @@ Step time is split into data wait (the loop blocked on the DataLoader), compute 
 without the time blocked in DDP's gradient all-reduce), sync wait (that blocked time: from the moment the last
 gradient bucket was ready on this rank until backward returned) and other (the rest of the loop). On GPUs the
 compute and sync markers are CUDA events, so they measure the device, not the launch queue.
+
+A rank is slow in a window when its compute exceeds ``straggler_factor`` x the median of the *other* ranks' (with
+two ranks the median of all would be the mean of the pair, so a rank had to be 3x slower to pass 1.5). What the
+slowest rank costs the job is the others' wait for it, as a share of the step: their idle time (step time less compute
+and data wait) above its own, since it idles only for what every rank pays (the transfers, the loop's own work). Idle,
+not sync wait alone: under gradient accumulation the others also wait in Lightning's per-micro-batch broadcast.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import resource
@@ -29,6 +36,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from app.flops import formula_flops_per_token, measured_flops_per_token, peak_tflops_per_device
+from app.tensorboard_layout import log_final_val_loss, write_layout
 from core.run_plan import run_plan_of
 
 # One row per rank per window; the names are also the TensorBoard tags under monitor/.
@@ -51,6 +59,24 @@ def host_rss_bytes() -> float:
             return int(statm.read().split()[1]) * resource.getpagesize()
     except OSError:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def median_of_others(values: list[float]) -> list[float]:
+    """For each value, the median of all the other values (two values or more), in O(n log n): a median per rank of
+    a copied list would take seconds a window at thousands of ranks."""
+    ordered = sorted(values)
+    others = len(values) - 1
+
+    def kth_other(k: int, removed: int) -> float:
+        """The k-th smallest value once ``ordered[removed]`` is left out."""
+        return ordered[k] if k < removed else ordered[k + 1]
+
+    medians = []
+    for value in values:
+        removed = bisect.bisect_left(ordered, value)  # one copy of it: ties leave the same others whichever goes
+        upper = kth_other(others // 2, removed)
+        medians.append(upper if others % 2 else (kth_other(others // 2 - 1, removed) + upper) / 2)
+    return medians
 
 
 class Marker:
@@ -84,7 +110,8 @@ class RankMonitor(Callback):
         """
         Args:
             every_n_steps: optimizer steps per window (one all_gather each); None: trainer.log_every_n_steps.
-            straggler_factor: a rank whose compute exceeds the median by this factor is slow in that window.
+            straggler_factor: a rank whose compute exceeds the other ranks' median by this factor is slow in that
+                window.
             straggler_windows: windows in a row a rank must be slow before it is reported as a straggler.
             data_wait_warning_share: warn when waiting for data exceeds this share of the step time.
             loss_alert_sigmas: warn when a rank's mean loss is this many standard errors from the others'.
@@ -103,6 +130,7 @@ class RankMonitor(Callback):
         self.hosts: list[str] = []
         self.summary: list[dict[str, float]] = []  # one entry per window, on every rank
         self.straggler_events = 0
+        self._sync_measured = False  # set at train start: sync wait is timed (DDP on 2 ranks or more)
         self._slow_windows: dict[int, int] = {}
         self._data_wait_warned = False
 
@@ -123,6 +151,7 @@ class RankMonitor(Callback):
         if dist.is_available() and dist.is_initialized():
             dist.all_gather_object(self.hosts, socket.gethostname())  # once per run
         self._sync_measured = self._register_sync_timer(trainer)
+        write_layout(trainer, self._cuda)
         self._reset_window()
 
     def _register_sync_timer(self, trainer: L.Trainer) -> bool:
@@ -262,18 +291,27 @@ class RankMonitor(Callback):
 
     def _stragglers(self, window: dict[str, Any]) -> dict[str, float]:
         compute = window["compute_s"]
-        median = statistics.median(compute)
-        for rank, seconds in enumerate(compute):
-            slow = len(compute) > 1 and seconds > self.straggler_factor * median
-            self._slow_windows[rank] = self._slow_windows.get(rank, 0) + 1 if slow else 0
+        if len(compute) < 2:
+            return {"monitor/slowest_rank_ratio": 1.0}
+        others = median_of_others(compute)
+        ratios = [seconds / median if median > 0 else 1.0 for seconds, median in zip(compute, others)]
+        idle = [s - c - d for s, c, d in zip(window["step_s"], compute, window["data_wait_s"])]
+        waits = [max(0.0, median - own) for own, median in zip(idle, median_of_others(idle))]  # others' wait for it
+        step = statistics.median(window["step_s"])
+        for rank, ratio in enumerate(ratios):
+            self._slow_windows[rank] = self._slow_windows.get(rank, 0) + 1 if ratio > self.straggler_factor else 0
             if self._slow_windows[rank] == self.straggler_windows:
                 self.straggler_events += 1
-                alert(
-                    f"straggler: rank {rank} on {self.hosts[rank]} computes {seconds:.3f} s/step against a median "
-                    f"of {median:.3f} s ({seconds / median:.1f}x) for {self.straggler_windows} windows in a row; "
-                    "every rank waits for it"
-                )
-        return {"monitor/slowest_rank_ratio": max(compute) / median if median > 0 else 1.0}
+                cost = (f"; the others wait {waits[rank]:.3f} s/step for it ({waits[rank] / step:.0%} of the step)"
+                        if self._sync_measured else "; every rank waits for it")
+                alert(f"straggler: rank {rank} on {self.hosts[rank]} computes {compute[rank]:.3f} s/step against "
+                      f"a median of {others[rank]:.3f} s on the other ranks ({ratio:.1f}x) for "
+                      f"{self.straggler_windows} windows in a row{cost}")
+        slowest = ratios.index(max(ratios))
+        metrics = {"monitor/slowest_rank_ratio": ratios[slowest]}
+        if self._sync_measured:  # untimed, the others' wait in the all-reduce counts as their compute, not idle
+            metrics["monitor/straggler_cost_share"] = waits[slowest] / step
+        return metrics
 
     def _loss_outliers(self, window: dict[str, Any]) -> dict[str, float]:
         """A rank whose mean loss is further from the others' median than batch noise explains."""
@@ -301,6 +339,7 @@ class RankMonitor(Callback):
             )
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        log_final_val_loss(trainer)
         if not self.summary or not trainer.is_global_zero:
             return
         last = self.summary[-1]
@@ -318,6 +357,8 @@ class RankMonitor(Callback):
             ("CUDA peak allocated, largest rank",
              f"{max(w['monitor/cuda_peak_allocated_gib/max'] for w in self.summary):.2f} GiB"),
             ("straggler events", str(self.straggler_events)),
+            ("waiting for the slowest rank", f"{mean('monitor/straggler_cost_share'):.1%} of the step"
+             if "monitor/straggler_cost_share" in last else "n/a (sync wait not timed)"),
         ]
         width = max(len(name) for name, _ in rows)
         rank_zero_info("run summary (" + f"{len(self.summary)} windows of {self.every_n_steps} steps)\n"

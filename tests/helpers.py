@@ -209,6 +209,30 @@ class SlowRank(Callback):
             time.sleep(self.seconds)
 
 
+class SlowRankByFactor(Callback):
+    """Makes one rank ``factor`` times slower: inside each micro-batch's step (between forward and backward) it sleeps
+    ``factor - 1`` times what its previous micro-batch took without the sleep."""
+
+    def __init__(self, rank: int, factor: float = 2.0) -> None:
+        self.rank = rank
+        self.factor = factor
+        self.previous_seconds = 0.0
+        self.slept = 0.0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.start = time.perf_counter()
+        self.slept = 0.0
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if trainer.global_rank == self.rank:
+            self.slept = (self.factor - 1) * self.previous_seconds
+            time.sleep(self.slept)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.previous_seconds = time.perf_counter() - self.start - self.slept
+
+
 class SignalAllThenHang(Callback):
     """One rank sends a signal to every rank (its process group), as Kubernetes does, then hangs inside its step, as
     a rank stuck on a broken device would: the others wait for it in the step's gradient all-reduce."""

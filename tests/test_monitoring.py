@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import csv
+import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,13 +13,14 @@ from types import SimpleNamespace
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+from tensorboard.plugins.hparams import metadata as hparams_metadata
 
 from app.flops import formula_flops_per_token, measured_flops_per_token, peak_tflops_per_device
-from app.monitoring import RankMonitor
+from app.monitoring import RankMonitor, median_of_others
 from core.run_plan import RunPlan
 from models.gpt import GPT_CONFIGS
-from tests.helpers import DDP_2, QUIET, REPO_ROOT, free_port, run_cohort
-
+from tests.helpers import DDP_2, QUIET, REPO_ROOT, free_port, run_cohort, scalars
 
 
 def monitored_fit(tmp_path: Path, args: list[str], *extra: str) -> subprocess.CompletedProcess:
@@ -36,7 +39,8 @@ def test_balanced_run_logs_every_rank_and_raises_no_alarm(tmp_path: Path, debug_
     tags = set(events.Tags()["scalars"])
     for field in ("data_wait_s", "compute_s", "sync_wait_s", "step_s", "loss", "host_rss_gib"):
         assert {f"monitor/{field}/{s}" for s in ("min", "median", "max", "rank0", "rank1")} <= tags, field
-    assert {"throughput/tokens_per_second", "throughput/tflops", "monitor/straggler_events"} <= tags
+    assert {"throughput/tokens_per_second", "throughput/tflops", "monitor/straggler_events",
+            "monitor/straggler_cost_share"} <= tags
     assert len(events.Scalars("monitor/compute_s/rank1")) == 4  # 8 steps in windows of 2
     steps = [e.value for e in events.Scalars("monitor/step_s/median")]
     parts = [sum(events.Scalars(f"monitor/{f}/median")[i].value for f in ("data_wait_s", "compute_s", "sync_wait_s"))
@@ -45,14 +49,124 @@ def test_balanced_run_logs_every_rank_and_raises_no_alarm(tmp_path: Path, debug_
     assert "run summary" in result.stderr + result.stdout
 
 
-@pytest.mark.slow
-def test_slow_rank_is_named_as_the_straggler(tmp_path: Path, debug_run_args: list[str]) -> None:
-    result = monitored_fit(tmp_path, debug_run_args, "--trainer.callbacks+=tests.helpers.SlowRank",
-                           "--trainer.callbacks.rank=1", "--trainer.callbacks.seconds=0.1")
+@pytest.fixture(scope="module")
+def slowed_run(tmp_path_factory: pytest.TempPathFactory, debug_run_args: list[str]) -> tuple[Path, str]:
+    """One 2-process run with rank 1 slowed 2x: 4 windows of 10 steps (long enough to average out a shared machine's
+    noise), a straggler after 2 slow windows, validation at steps 20 and 40. Its folder and its console output."""
+    run_dir = tmp_path_factory.mktemp("slowed")
+    result = monitored_fit(run_dir, debug_run_args, "--trainer.max_steps", "40", "--monitor.every_n_steps", "10",
+                           "--val_every_n_steps", "20", "--trainer.callbacks+=tests.helpers.SlowRankByFactor",
+                           "--trainer.callbacks.rank=1", "--trainer.callbacks.factor=2")
     assert result.returncode == 0, result.stderr[-3000:]
-    output = result.stderr + result.stdout
-    assert f"straggler: rank 1 on {os.uname().nodename}" in output
-    assert "straggler: rank 0" not in output
+    return run_dir, result.stderr + result.stdout
+
+
+@pytest.mark.slow
+def test_a_rank_slowed_twofold_is_named_with_what_it_costs(slowed_run: tuple[Path, str]) -> None:
+    run_dir, output = slowed_run
+    alerts = [line for line in output.splitlines() if "straggler:" in line]
+    assert len(alerts) == 1 and f"straggler: rank 1 on {os.uname().nodename}" in alerts[0], alerts
+    assert re.search(r"the others wait \d\.\d{3} s/step for it \(\d+% of the step\)", alerts[0]), alerts[0]
+    assert scalars(run_dir, "monitor/straggler_events") == [0, 1, 1, 1]  # at the 2nd slow window in a row, once
+    assert min(scalars(run_dir, "monitor/slowest_rank_ratio")) > 1.5
+    # rank 0 computes about half of rank 1's step and waits for the rest
+    assert all(0.2 < share < 0.7 for share in scalars(run_dir, "monitor/straggler_cost_share"))
+    assert re.search(r"waiting for the slowest rank +\d+\.\d% of the step", output)
+
+
+@pytest.mark.slow
+def test_tensorboard_layout_charts_every_rank_and_hparams_carry_the_final_val_loss(
+        slowed_run: tuple[Path, str]) -> None:
+    run_dir, _ = slowed_run
+    events = EventAccumulator(str(run_dir / "lightning_logs" / "version_0"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    layout = layout_pb2.Layout.FromString(events.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    charts = [chart for category in layout.category for chart in category.chart]
+    # the tags each multi-line chart draws, matched as TensorBoard matches them (re.match)
+    drawn = [{tag for tag in tags if any(re.match(pattern, tag) for pattern in chart.multiline.tag)}
+             for chart in charts if chart.HasField("multiline")]
+    bands = [(s.value, s.lower, s.upper) for chart in charts if chart.HasField("margin") for s in chart.margin.series]
+    for field in ("loss", "step_s", "data_wait_s", "compute_s", "sync_wait_s", "host_rss_gib"):
+        assert {f"monitor/{field}/rank0", f"monitor/{field}/rank1"} in drawn, field
+        assert (f"monitor/{field}/median", f"monitor/{field}/min", f"monitor/{field}/max") in bands, field
+    assert set().union(*bands) <= tags
+    assert not any("cuda" in tag for chart in drawn for tag in chart)  # no empty CUDA charts on CPU
+
+    hparams = events.PluginTagToContent("hparams")
+    experiment = hparams_metadata.parse_experiment_plugin_data(hparams["_hparams_/experiment"])
+    assert [metric.name.tag for metric in experiment.metric_infos] == ["hp_metric"]
+    session = hparams_metadata.parse_session_start_info_plugin_data(hparams["_hparams_/session_start_info"])
+    assert session.hparams["model_name"].string_value == "debug"
+    val_loss = scalars(run_dir, "val/loss")
+    assert len(val_loss) == 2 and scalars(run_dir, "hp_metric")[-1] == pytest.approx(val_loss[-1])
+
+
+def reporting_monitor(world_size: int, **options: float) -> tuple[RankMonitor, SimpleNamespace, dict[str, float]]:
+    """A monitor whose _report runs without a run: global batch 32 x 128 tokens, 1 GFLOP per token, a 100 TFLOP/s
+    peak; the dict holds what it logged last."""
+    monitor = RankMonitor(peak_tflops=100.0, **options)
+    monitor._plan = RunPlan(devices_per_node=world_size, num_nodes=1, data_parallel_size=world_size,
+                            tensor_parallel_size=1, global_batch_size=32, micro_batch_size=4, sequence_length=128,
+                            precision="32-true", seed=0)
+    monitor.flops_per_token, monitor.peak, monitor.hosts = 1e9, 100.0, [f"host{r}" for r in range(world_size)]
+    logged: dict[str, float] = {}
+    logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.update(metrics))
+    trainer = SimpleNamespace(world_size=world_size, is_global_zero=True,
+                              loggers=[logger], global_step=10, datamodule=SimpleNamespace(num_workers=0))
+    return monitor, trainer, logged
+
+
+def window(compute: list[float]) -> dict[str, object]:
+    """A window's gathered table: the given compute per rank, 0.02 s data wait and a 0.5 s step on every rank."""
+    per_rank = {name: [0.1] * len(compute) for name in ("sync_wait_s", "loss", "loss_std", "host_rss_gib",
+                                                        "cuda_peak_allocated_gib", "cuda_peak_reserved_gib")}
+    return {**per_rank, "compute_s": compute, "data_wait_s": [0.02] * len(compute), "step_s": [0.5] * len(compute),
+            "losses_per_rank": 4}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_tokens_per_second_and_mfu_do_not_depend_on_world_size(world_size: int) -> None:
+    """Global batch 32 x 128 tokens per optimizer step, 0.5 s per step: the same numbers however it is split (the
+    report works from whole optimizer steps, so accumulation never enters it)."""
+    monitor, trainer, logged = reporting_monitor(world_size)
+    monitor._report(trainer, window([0.1] * world_size))
+    assert logged["throughput/tokens_per_second"] == pytest.approx(32 * 128 / 0.5)
+    assert logged["throughput/tflops"] == pytest.approx(1e9 * 32 * 128 / 0.5 / 1e12)
+    assert logged["throughput/mfu"] == pytest.approx(logged["throughput/tflops"] / (100.0 * world_size))
+
+
+@pytest.mark.parametrize(("compute", "straggler"), [
+    ([0.2, 0.4], 1),  # 2 ranks, rank 1 2x slower: rank 0 idles 0.2 s of its 0.5 s step waiting for it
+    ([0.2] * 7 + [0.4], 7),  # 8 ranks, one 2x slower
+    ([0.3, 0.3], None),
+    ([0.3] * 8, None),
+])
+def test_a_straggler_is_named_after_straggler_windows_slow_windows(
+        compute: list[float], straggler: int | None, caplog: pytest.LogCaptureFixture) -> None:
+    monitor, trainer, logged = reporting_monitor(len(compute), straggler_windows=3)
+    monitor._sync_measured = True
+    events = []
+    with caplog.at_level(logging.WARNING, logger="app.monitoring"):
+        for _ in range(4):
+            monitor._report(trainer, window(compute))
+            events.append(logged["monitor/straggler_events"])
+    alerts = [record.getMessage() for record in caplog.records if "straggler:" in record.getMessage()]
+    if straggler is None:
+        assert events == [0, 0, 0, 0] and not alerts
+        assert logged["monitor/slowest_rank_ratio"] == 1.0 and logged["monitor/straggler_cost_share"] == 0.0
+    else:
+        assert events == [0, 0, 1, 1]  # once, at the third window in a row
+        assert len(alerts) == 1 and alerts[0].startswith(f"straggler: rank {straggler} on host{straggler} ")
+        assert "(2.0x)" in alerts[0] and "wait 0.200 s/step for it (40% of the step)" in alerts[0]
+        assert logged["monitor/slowest_rank_ratio"] == pytest.approx(2.0)
+        assert logged["monitor/straggler_cost_share"] == pytest.approx(0.4)
+
+
+def test_median_of_others_leaves_out_one_copy_of_each_value() -> None:
+    assert median_of_others([1.0, 3.0]) == [3.0, 1.0]
+    assert median_of_others([5.0, 1.0, 1.0, 2.0]) == [1.0, 2.0, 2.0, 1.0]
+    assert median_of_others([4.0, 1.0, 2.0]) == [1.5, 3.0, 2.5]
 
 
 @pytest.mark.slow
@@ -74,28 +188,6 @@ def test_flop_count_matches_a_hand_computed_case() -> None:
     gpt2 = GPT_CONFIGS["gpt2"]
     formula = formula_flops_per_token(gpt2, 1024)
     assert measured_flops_per_token(gpt2, 1024) == pytest.approx(formula, rel=0.002)
-
-
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_tokens_per_second_and_mfu_do_not_depend_on_world_size(world_size: int) -> None:
-    """Global batch 32 x 128 tokens per optimizer step, 0.5 s per step: the same numbers however it is split (the
-    report works from whole optimizer steps, so accumulation never enters it)."""
-    monitor = RankMonitor(peak_tflops=100.0)
-    monitor._plan = RunPlan(devices_per_node=world_size, num_nodes=1, data_parallel_size=world_size,
-                            tensor_parallel_size=1, global_batch_size=32, micro_batch_size=16, sequence_length=128,
-                            precision="32-true", seed=0)
-    monitor.flops_per_token, monitor.peak, monitor.hosts = 1e9, 100.0, ["h"] * world_size
-    logged: dict[str, float] = {}
-    logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.update(metrics))
-    trainer = SimpleNamespace(world_size=world_size, is_global_zero=True,
-                              loggers=[logger], global_step=10, datamodule=SimpleNamespace(num_workers=0))
-    per_rank = {name: [0.1] * world_size for name in ("data_wait_s", "compute_s", "sync_wait_s", "loss", "loss_std",
-                                                      "host_rss_gib", "cuda_peak_allocated_gib",
-                                                      "cuda_peak_reserved_gib")}
-    monitor._report(trainer, {**per_rank, "step_s": [0.5] * world_size, "losses_per_rank": 4})
-    assert logged["throughput/tokens_per_second"] == pytest.approx(32 * 128 / 0.5)
-    assert logged["throughput/tflops"] == pytest.approx(1e9 * 32 * 128 / 0.5 / 1e12)
-    assert logged["throughput/mfu"] == pytest.approx(logged["throughput/tflops"] / (100.0 * world_size))
 
 
 def test_peak_table_covers_a100_h100_h200_and_not_cpus() -> None:

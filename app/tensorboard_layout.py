@@ -1,0 +1,56 @@
+"""What a run's TensorBoard folder holds beyond the logged scalars: a custom-scalars layout that draws every rank's
+series of a monitor field as one chart, beside a min/median/max band, and the final validation loss for the HParams
+tab.
+
+The layout is in the CUSTOM SCALARS tab. The HPARAMS tab compares runs by ``hp_metric``: Lightning declares it with
+the hyperparameters at fit start (-1, a placeholder), and the monitor logs the run's last ``val/loss`` to it when
+training ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.loggers import TensorBoardLogger
+
+# (chart title, monitor field): each gives "TITLE — every rank" and "TITLE — min, median, max"
+CHARTS = (("loss", "loss"), ("step time (s)", "step_s"), ("data wait (s)", "data_wait_s"),
+          ("compute (s)", "compute_s"), ("sync wait (s)", "sync_wait_s"), ("host memory (GiB)", "host_rss_gib"))
+CUDA_CHARTS = (("CUDA memory, peak allocated (GiB)", "cuda_peak_allocated_gib"),)
+
+
+def custom_scalars_layout(cuda: bool) -> dict[str, dict[str, list[Any]]]:
+    """The layout in ``SummaryWriter.add_custom_scalars``' form, {category: {chart title: [kind, tags]}}.
+
+    A multi-line chart's tags are regular expressions, matched from the start of a tag, so one covers every rank
+    at any world size; a margin chart takes exactly three tags: the value, its lower and its upper bound.
+    """
+    charts: dict[str, list[Any]] = {}
+    for title, field in CHARTS + (CUDA_CHARTS if cuda else ()):
+        charts[f"{title} — every rank"] = ["Multiline", [rf"monitor/{field}/rank\d+$"]]
+        charts[f"{title} — min, median, max"] = ["Margin", [f"monitor/{field}/{s}" for s in ("median", "min", "max")]]
+    return {"every rank": charts}
+
+
+def tensorboard_loggers(trainer: L.Trainer) -> list[TensorBoardLogger]:
+    return [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+
+
+def write_layout(trainer: L.Trainer, cuda: bool) -> None:
+    """Rank 0 writes the layout into each TensorBoard run, once per run (TensorBoard allows one per writer)."""
+    if trainer.is_global_zero:
+        for logger in tensorboard_loggers(trainer):
+            logger.experiment.add_custom_scalars(custom_scalars_layout(cuda))
+
+
+def log_final_val_loss(trainer: L.Trainer) -> None:
+    """The last validation loss as ``hp_metric``, the metric Lightning declared with the hyperparameters.
+
+    Not a second ``log_hyperparams(params, metrics)``: TensorBoard keeps only the first declaration a run holds, and
+    the HParams tab shows the last value of each declared metric's scalar.
+    """
+    val_loss = trainer.callback_metrics.get("val/loss")
+    if trainer.is_global_zero and val_loss is not None:
+        for logger in tensorboard_loggers(trainer):
+            logger.log_metrics({"hp_metric": float(val_loss)}, step=trainer.global_step)
