@@ -1,5 +1,7 @@
-"""``python -m app ...`` is the ``cohort`` command: the Lightning subcommands (app/cli.py) and Cohort's own.
+"""``python -m app ...`` is the ``cohort`` command: the Lightning subcommands (app/cli.py) and Cohort's own, one line
+each in app/commands.py (``cohort --help`` prints them).
 
+    cohort prepare my_texts/ --out data/my_corpus                           # text -> train.bin, val.bin
     cohort fit -c configs/quickstart.yaml                                   # 1 CPU process, embedded corpus
     cohort fit -c configs/quickstart.yaml -c configs/trainer/ddp_cpu.yaml   # the same run on 2 processes
     cohort fit -c configs/quickstart.yaml --ckpt_path last                  # resume the newest run
@@ -14,18 +16,32 @@ from __future__ import annotations
 import sys
 import warnings
 
-from app import comm, consolidate, doctor
-from app.cli import run_cli, run_reporting_errors
+from app.commands import COMMANDS, help_text
 
 
 def main(args: list[str] | None = None) -> None:
+    """``cohort ARGS``: the command overview, one of Cohort's own commands, or a Lightning subcommand."""
     argv = sys.argv[1:] if args is None else args
-    if argv[:1] == ["comm"]:
+    command = argv[0] if argv else "--help"
+    if command in ("-h", "--help"):
+        print(help_text())
+        return
+    if command not in COMMANDS and not command.startswith("-"):  # options before a subcommand are LightningCLI's
+        sys.exit(f"cohort: error: unknown command {command!r}: use one of {', '.join(COMMANDS)} "
+                 "(cohort --help says what each does)")
+    # imported only here, so that the overview and the error above come without loading torch and Lightning
+    from app import comm, consolidate, doctor
+    from app.cli import run_cli, run_reporting_errors
+    from datamodules import prepare
+
+    if command == "comm":
         return comm.main(argv[1:])
-    if argv[:1] == ["consolidate"]:
-        return run_reporting_errors(consolidate.main, argv[1:])
-    if argv[:1] == ["doctor"]:
+    if command == "doctor":
         return doctor.main(argv[1:])
+    if command == "consolidate":
+        return run_reporting_errors(consolidate.main, argv[1:])
+    if command == "prepare":
+        return run_reporting_errors(prepare.main, argv[1:])
     # noise from Lightning's own use of a torch API that torch deprecated; nothing a user can act on
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     run_reporting_errors(run_cli, args)

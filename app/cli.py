@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from app.bad_steps import BadStepGuard
 from app.callbacks import NcclFlightRecorder, PerRankSeed, PrintPredictions
 from app.checkpoints import RunCheckpoint
+from app.commands import DESCRIPTION, LIGHTNING_COMMANDS, describe
 from app.monitoring import RankMonitor, ReplicaDivergenceError
 from app.preemption import PreemptionCheckpoint, preemption_callback
 from app.preflight import Preflight, check_config
@@ -45,9 +46,16 @@ class CohortCLI(LightningCLI):
                 "callbacks": [PerRankSeed(), PrintPredictions()],
             },
             save_config_kwargs={"overwrite": True},  # a resumed run rewrites its own config.yaml
+            parser_kwargs=self.parser_descriptions(),
             args=args,
             run=run,
         )
+
+    def parser_descriptions(self) -> dict[str, Any]:
+        """What ``--help`` says: Cohort and each subcommand, in app/commands.py's words (Lightning's would be
+        "Lightning Trainer command line tool" and the Trainer methods' docstrings)."""
+        return {"prog": "cohort", "description": DESCRIPTION,
+                **{command: {"description": describe(command)} for command in LIGHTNING_COMMANDS}}
 
     def add_default_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Lightning's ``--seed_everything``, but an integer only: ``true`` would draw a random seed that a resumed

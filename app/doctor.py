@@ -22,6 +22,7 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from jsonargparse import Namespace
 
 from app.cli import CohortCLI
 from app.comm import time_collective
+from app.commands import describe
 from app.launch import Launch, detect_launch, join_process_group, launch_device
 from app.preflight import Preflight, log_root
 from core.errors import UserError
@@ -148,6 +150,9 @@ class DoctorCLI(CohortCLI):
 
     def __init__(self, args: list[str]) -> None:
         super().__init__(args, run=False)
+
+    def parser_descriptions(self) -> dict[str, Any]:
+        return {"prog": "cohort doctor", "description": describe("doctor")}
 
     def before_instantiate_classes(self) -> None:
         """The checks below report problems as findings instead of stopping at the first."""

@@ -1,6 +1,6 @@
-"""Turn text files into byte-level token files (vocabulary 256) for the LM datamodule.
+"""``cohort prepare``: turn text files into byte-level token files (vocabulary 256) for the LM datamodule.
 
-    python -m datamodules.prepare my_texts/ notes.txt --out data/my_corpus --val-fraction 0.05
+    cohort prepare my_texts/ notes.txt --out data/my_corpus --val-fraction 0.05
 
 Files are split between train.bin and val.bin as whole files (every k-th file, in sorted order) so that no text
 is in both; with a single input file its last ``val-fraction`` of bytes is the validation set. Writes are atomic
@@ -81,21 +81,22 @@ def prepare_byte_corpus(files: Sequence[Path], out_dir: Path, val_fraction: floa
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m datamodules.prepare", description=__doc__.split("\n\n")[0])
+    """``cohort prepare ARGS``; a UserError for input it cannot use (app/__main__.py prints it as one line)."""
+    parser = argparse.ArgumentParser(prog="cohort prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="*", type=Path, help="text files or folders (default: the Python stdlib)")
     parser.add_argument("--out", type=Path, required=True, help="folder to write train.bin and val.bin into")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="share of the text kept for validation")
     args = parser.parse_args(argv)
-    try:
-        files = collect_text_files(args.inputs) if args.inputs else stdlib_source_files()
-        train_tokens, val_tokens = prepare_byte_corpus(files, args.out, args.val_fraction)
-    except UserError as error:
-        sys.exit(f"prepare: error: {error}")
+    files = collect_text_files(args.inputs) if args.inputs else stdlib_source_files()
+    train_tokens, val_tokens = prepare_byte_corpus(files, args.out, args.val_fraction)
     print(
         f"wrote {args.out}/train.bin ({train_tokens:,} tokens) and {args.out}/val.bin ({val_tokens:,} tokens) "
         f"from {len(files)} files; train with --data.data_dir {args.out} --data.vocab_size {BYTE_VOCAB_SIZE}"
     )
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the older spelling of `cohort prepare`, kept for scripts that use it
+    try:
+        main()
+    except UserError as error:
+        sys.exit(f"cohort: error: {error}")

@@ -28,7 +28,7 @@ def check_token_file(path: Path, vocab_size: int) -> int:
     if not path.is_file():
         raise UserError(
             f"token file {path} does not exist: point data.data_dir at a folder with train.bin and val.bin "
-            "(make them with `python -m datamodules.prepare`)"
+            "(make them with `cohort prepare`)"
         )
     if not os.access(path, os.R_OK):
         raise UserError(f"token file {path} is not readable: fix its permissions")

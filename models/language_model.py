@@ -100,7 +100,9 @@ class GPTLanguageModel(L.LightningModule):
 
     def configure_model(self) -> None:
         """Build the GPT on the meta device and let ``build_gpt`` parallelise, materialise and initialise it on
-        this rank's device: under ModelParallelStrategy over its (data_parallel, tensor_parallel) mesh."""
+        this rank's device: under ModelParallelStrategy over its (data_parallel, tensor_parallel) mesh. With no
+        Trainer (``load_from_checkpoint`` in a plain Python process calls this before loading the weights) it is
+        built whole on the CPU."""
         if self.model is not None:  # Lightning calls this once per fit/validate/...; build once
             return
         trainer = self._trainer

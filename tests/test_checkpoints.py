@@ -1,11 +1,12 @@
-"""Checkpoints are data: a pickle that asks for code is refused by fit, validate, predict and consolidate before
-any of it runs, and a torch file that is not a Lightning checkpoint is named for what it is (in-process: the
-one-line plumbing itself is proven by tests/test_cli_errors.py). And no checkpoint is written with NaN in it, and
-a plain optimizer's state is stored by parameter name."""
+"""Checkpoints are data: a pickle that asks for code is refused by fit, validate, predict, consolidate and
+``GPTLanguageModel.load_from_checkpoint`` before any of it runs, and a torch file that is not a Lightning checkpoint
+is named for what it is (in-process: the one-line plumbing itself is proven by tests/test_cli_errors.py). And no
+checkpoint is written with NaN in it, and a plain optimizer's state is stored by parameter name."""
 
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 
 from app.checkpoints import optimizer_state_by_name, optimizer_state_by_position, parameter_names
 from models.gpt import gpt_config
-from models.language_model import weight_decay_groups
+from models.language_model import GPTLanguageModel, weight_decay_groups
 from models.parallelize import build_gpt
 from tests.helpers import DDP_2, QUIET, fit, one_line_error, run_cohort
 
@@ -59,6 +60,16 @@ def test_consolidate_refuses_a_sharded_folder_whose_meta_runs_code(hostile_check
     message = one_line_error(["consolidate", str(folder)], monkeypatch)
     assert "meta.pt asks to run code (" in message and ".open')" in message
     assert not marker.exists() and not (tmp_path / "last.consolidated.ckpt").exists()
+
+
+def test_load_from_checkpoint_refuses_a_checkpoint_whose_pickle_runs_code(hostile_checkpoint: tuple[Path, Path],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning passes weights_only=None, so torch's default (weights_only since torch 2.6) decides."""
+    monkeypatch.delenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", raising=False)
+    path, marker = hostile_checkpoint
+    with pytest.raises(pickle.UnpicklingError, match=r"GLOBAL \w+\.open"):
+        GPTLanguageModel.load_from_checkpoint(path)
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("content, described", [

@@ -1,4 +1,4 @@
-"""Samplers, token files and the prepare command: distributed correctness and clear failures."""
+"""Samplers, token files and preparing them: distributed correctness and clear failures."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from core.errors import UserError
 from core.run_plan import RunPlan
 from core.tokens import IGNORE_INDEX
 from datamodules.language_modeling import LanguageModelingDataModule
-from datamodules.prepare import collect_text_files, main as prepare_main, prepare_byte_corpus
+from datamodules.prepare import collect_text_files, prepare_byte_corpus
 from datamodules.samplers import EvenShardSampler, GlobalBatchSampler
 from datamodules.token_files import PADDING_INDEX, TokenWindows, check_token_file
 from models.gpt import GPT, gpt_config
@@ -276,10 +276,3 @@ def test_prepare_splits_by_file_and_writes_bytes(tmp_path: Path) -> None:
     val_text = np.fromfile(tmp_path / "out" / "val.bin", dtype="<u2").astype(np.uint8).tobytes().decode()
     assert val_text == "document 9 é\n" and val == len(val_text.encode())
     assert train == sum(len(f.read_bytes()) for f in files[:9]) + 8  # joined by newlines
-
-
-def test_prepare_command_reports_missing_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        prepare_main([str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
-    assert "does not exist" in str(exit_info.value.code)
-    assert not (tmp_path / "out").exists()

@@ -1,0 +1,35 @@
+"""The ``cohort`` subcommands, one line each. ``cohort --help`` prints them, app/__main__.py dispatches on them and
+the Lightning subcommands' own ``--help`` (app/cli.py) repeats them, so the three cannot disagree. Imports nothing:
+``cohort --help`` answers without loading torch."""
+
+from __future__ import annotations
+
+DESCRIPTION = ("Cohort trains GPT language models with PyTorch Lightning, on one CPU or on many GPUs and nodes with\n"
+               "the same config, and resumes runs exactly.")
+
+LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")  # LightningCLI's (app/cli.py); the others are Cohort's
+
+COMMANDS: dict[str, str] = {
+    "fit": "train a model (-c configs/quickstart.yaml); --ckpt_path last resumes the newest run",
+    "validate": "the validation loss and perplexity of a checkpoint (--ckpt_path)",
+    "test": "the test loss and perplexity of a checkpoint (--ckpt_path)",
+    "predict": "continue prompts with a checkpoint's model (--ckpt_path, --data.prompts)",
+    "prepare": "turn text files or folders into train.bin and val.bin (byte-level tokens) for fit",
+    "doctor": "pre-flight checks, run with the launcher and config of the job they precede",
+    "comm": "collective bandwidth (all-reduce, all-gather, reduce-scatter) of the launched processes",
+    "consolidate": "turn a sharded checkpoint folder into one file, for any strategy or load_from_checkpoint",
+}
+
+
+def help_text() -> str:
+    """What ``cohort``, ``cohort -h`` and ``cohort --help`` print."""
+    width = max(map(len, COMMANDS)) + 2
+    table = "\n".join(f"  {name:<{width}}{summary}" for name, summary in COMMANDS.items())
+    return (f"usage: cohort COMMAND [ARGS]  (python -m app COMMAND [ARGS] is the same)\n\n{DESCRIPTION}\n\n"
+            f"commands:\n{table}\n\n"
+            "cohort COMMAND --help lists a command's arguments; start with: cohort fit -c configs/quickstart.yaml")
+
+
+def describe(command: str) -> str:
+    """The description at the top of ``cohort COMMAND --help``."""
+    return f"cohort {command}: {COMMANDS[command]}. {DESCRIPTION}"
