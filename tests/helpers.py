@@ -34,6 +34,16 @@ QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summa
 ONE_STEP = ["--trainer.max_steps", "1"]  # should a check let a run start, it ends at once
 DDP_2 = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
 MODEL_PARALLEL = ["-c", str(CONFIG_DIR / "trainer/model_parallel_cpu.yaml")]  # FSDP2 (dp=2, tp=1) on 2 processes
+GPU_LAYOUTS = {  # the shipped GPU presets on 1 or 2 GPUs
+    "1 gpu": ["-c", str(CONFIG_DIR / "trainer/gpu_bf16.yaml")],
+    "fsdp-1": ["-c", str(CONFIG_DIR / "trainer/fsdp_gpu_bf16.yaml"), "--trainer.devices", "1"],
+    "model_parallel-1": ["-c", str(CONFIG_DIR / "trainer/model_parallel_gpu_bf16.yaml"), "--trainer.devices", "1",
+                         "--trainer.strategy.init_args.data_parallel_size", "1"],
+    "ddp-2": ["-c", str(CONFIG_DIR / "trainer/ddp_gpu_bf16.yaml"), "--trainer.devices", "2"],
+    "fsdp-2": ["-c", str(CONFIG_DIR / "trainer/fsdp_gpu_bf16.yaml"), "--trainer.devices", "2"],
+    "model_parallel-2": ["-c", str(CONFIG_DIR / "trainer/model_parallel_gpu_bf16.yaml"), "--trainer.devices", "2",
+                         "--trainer.strategy.init_args.data_parallel_size", "2"],
+}
 PRECISIONS = ["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 CLIPPED_STEPS = 6
 CLIP = 0.1  # below the debug model's gradient norm in the first CLIPPED_STEPS steps, so clipping bites at every step

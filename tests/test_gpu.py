@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from tests.helpers import (
-    COMPARABLE_RUN, CONFIG_DIR, PRECISIONS, QUICKSTART, QUIET, assert_comparable_runs_agree, assert_only_step_skipped,
-    assert_trains_as_one_does, assert_trains_with_clipping_that_bites, assert_weights_close, cached_fits, clipped_run,
-    fit, last_checkpoint, last_checkpoint_weights, poison_gradient, record_weight_digests, run_cohort, scalars, shrunk,
-    validate, weight_digests,
+    COMPARABLE_RUN, CONFIG_DIR, GPU_LAYOUTS, PRECISIONS, QUICKSTART, QUIET, assert_comparable_runs_agree,
+    assert_only_step_skipped, assert_trains_as_one_does, assert_trains_with_clipping_that_bites, assert_weights_close,
+    cached_fits, clipped_run, fit, last_checkpoint, last_checkpoint_weights, poison_gradient, record_weight_digests,
+    run_cohort, scalars, shrunk, validate, weight_digests,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -30,23 +30,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 TRAINER = CONFIG_DIR / "trainer"
 ON_ONE_GPU = ["--trainer.accelerator", "gpu", "--trainer.devices", "1"]
 ON_TWO_GPUS = ["--trainer.accelerator", "gpu", "--trainer.devices", "2"]
-LAYOUTS = {  # the shipped GPU presets on 1 or 2 GPUs
-    "1 gpu": ["-c", str(TRAINER / "gpu_bf16.yaml")],
-    "fsdp-1": ["-c", str(TRAINER / "fsdp_gpu_bf16.yaml"), "--trainer.devices", "1"],
-    "model_parallel-1": ["-c", str(TRAINER / "model_parallel_gpu_bf16.yaml"), "--trainer.devices", "1",
-                         "--trainer.strategy.init_args.data_parallel_size", "1"],
-    "ddp-2": ["-c", str(TRAINER / "ddp_gpu_bf16.yaml"), "--trainer.devices", "2"],
-    "fsdp-2": ["-c", str(TRAINER / "fsdp_gpu_bf16.yaml"), "--trainer.devices", "2"],
-    "model_parallel-2": ["-c", str(TRAINER / "model_parallel_gpu_bf16.yaml"), "--trainer.devices", "2",
-                         "--trainer.strategy.init_args.data_parallel_size", "2"],
-}
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) -> Callable[[str, str], Path]:
     return cached_fits(tmp_path_factory, lambda precision, layout: clipped_run(
-        byte_corpus, *LAYOUTS[layout], "--trainer.precision", precision))
+        byte_corpus, *GPU_LAYOUTS[layout], "--trainer.precision", precision))
 
 
 @pytest.mark.parametrize("layout", ["1 gpu", "fsdp-1", "model_parallel-1"])
@@ -131,7 +121,7 @@ def test_a_nan_gradient_is_skipped_on_the_gpu(tmp_path: Path, byte_corpus: Path,
     bitwise as they were, every other step changes them, training goes on with finite weights, and the skip is
     reported one step later."""
     steps = 6
-    result = run_cohort(["fit", *QUICKSTART, *LAYOUTS["1 gpu"], *shrunk(byte_corpus, steps), *QUIET,
+    result = run_cohort(["fit", *QUICKSTART, *GPU_LAYOUTS["1 gpu"], *shrunk(byte_corpus, steps), *QUIET,
                          "--trainer.precision", precision, "--bad_steps.action", "skip", *poison_gradient(0, 3),
                          *record_weight_digests(tmp_path)], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -25,7 +25,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from datamodules.language_modeling import LanguageModelingDataModule
 from models.language_model import GPTLanguageModel, weight_decay_groups
 from tests.helpers import (
-    CLIP, CONFIG_DIR, PRECISIONS, assert_trains_as_one_does, assert_trains_with_clipping_that_bites, cached_fits,
+    CLIP, CONFIG_DIR, GPU_LAYOUTS, PRECISIONS, assert_trains_as_one_does, assert_trains_with_clipping_that_bites, cached_fits,
     clipped_run, fit, scalars, shrunk, without_key_bias,
 )
 
@@ -38,12 +38,9 @@ CPU_LAYOUTS = {
     "model_parallel-2": ["-c", str(CONFIG_DIR / "trainer/model_parallel_cpu.yaml")],
 }
 ON_CPU = ["--trainer.accelerator", "cpu"]
-GPU_PRESETS_ON_CPU = {
-    "1 process": ["-c", str(CONFIG_DIR / "trainer/gpu_bf16.yaml"), *ON_CPU],
-    "ddp-2": ["-c", str(CONFIG_DIR / "trainer/ddp_gpu_bf16.yaml"), *ON_CPU, "--trainer.devices", "2"],
-    "model_parallel-2": ["-c", str(CONFIG_DIR / "trainer/model_parallel_gpu_bf16.yaml"), *ON_CPU,
-                         "--trainer.devices", "2", "--trainer.strategy.init_args.data_parallel_size", "2"],
-}
+GPU_PRESETS_ON_CPU = {layout: [*GPU_LAYOUTS[gpu_layout], *ON_CPU]
+                      for layout, gpu_layout in {"1 process": "1 gpu", "ddp-2": "ddp-2",
+                                                 "model_parallel-2": "model_parallel-2"}.items()}
 
 
 def layout_preset(precision: str, layout: str) -> list[str]:
