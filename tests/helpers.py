@@ -112,7 +112,7 @@ def process_state_kept() -> Iterator[None]:
             del os.environ[name]
         os.environ.update({name: value for name, value in environ.items() if os.environ.get(name) != value})
         for signum, handler in handlers.items():
-            if handler is not None and signal.getsignal(signum) != handler:  # None: not set from Python, cannot be
+            if handler is not None and signal.getsignal(signum) != handler:  # None: installed outside Python
                 signal.signal(signum, handler)
         signal.set_wakeup_fd(wakeup_fd)
 
