@@ -7,13 +7,15 @@ No ``from __future__ import annotations`` here: DDP checks the comm hook's annot
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import time
 import sys
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning as L
@@ -27,8 +29,38 @@ from app.__main__ import main
 from app.checkpoints import consolidate
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "configs"
+QUICKSTART = ["-c", str(CONFIG_DIR / "quickstart.yaml")]
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+ONE_STEP = ["--trainer.max_steps", "1"]  # should a check let a run start, it ends at once
 DDP_2 = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
+MODEL_PARALLEL = ["-c", str(CONFIG_DIR / "trainer/model_parallel_cpu.yaml")]  # FSDP2 (dp=2, tp=1) on 2 processes
+GPU_LAYOUTS = {  # the shipped GPU presets on 1 or 2 GPUs
+    "1 gpu": ["-c", str(CONFIG_DIR / "trainer/gpu_bf16.yaml")],
+    "fsdp-1": ["-c", str(CONFIG_DIR / "trainer/fsdp_gpu_bf16.yaml"), "--trainer.devices", "1"],
+    "model_parallel-1": ["-c", str(CONFIG_DIR / "trainer/model_parallel_gpu_bf16.yaml"), "--trainer.devices", "1",
+                         "--trainer.strategy.init_args.data_parallel_size", "1"],
+    "ddp-2": ["-c", str(CONFIG_DIR / "trainer/ddp_gpu_bf16.yaml"), "--trainer.devices", "2"],
+    "fsdp-2": ["-c", str(CONFIG_DIR / "trainer/fsdp_gpu_bf16.yaml"), "--trainer.devices", "2"],
+    "model_parallel-2": ["-c", str(CONFIG_DIR / "trainer/model_parallel_gpu_bf16.yaml"), "--trainer.devices", "2",
+                         "--trainer.strategy.init_args.data_parallel_size", "2"],
+}
+PRECISIONS = ["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
+CLIPPED_STEPS = 6
+CLIP = 0.1  # below the debug model's gradient norm in the first CLIPPED_STEPS steps, so clipping bites at every step
+
+
+def batch_sizes(global_batch_size: int, micro_batch_size: int) -> list[str]:
+    """The flags for a global batch of ``global_batch_size`` samples in micro-batches of ``micro_batch_size``."""
+    return ["--data.global_batch_size", str(global_batch_size), "--data.micro_batch_size", str(micro_batch_size)]
+
+
+# Added to debug_run_args: 4 optimizer steps, validated after each on the same 16 windows at any world size, with
+# gradient clipping that bites; the schedule does not depend on max_steps, so a run resumed to more steps continues
+# the same schedule. Runs of it are compared across strategies, devices, world sizes and resumes.
+COMPARABLE_RUN = ["--model.lr_decay_steps", "8", *batch_sizes(8, 4), "--data.val_samples", "16",
+                  "--trainer.limit_val_batches", "1.0", "--val_every_n_steps", "1", "--trainer.max_steps", "4",
+                  "--trainer.gradient_clip_val", "0.1"]
 
 
 def free_port() -> int:
@@ -47,11 +79,56 @@ def run_cohort(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.C
     )
 
 
+def run_folders(cwd: Path) -> list[Path]:
+    """What ``cohort`` run in ``cwd`` has written under its default log folder: lightning_logs and all below it."""
+    logs = cwd / "lightning_logs"
+    return [logs, *sorted(logs.rglob("*"))] if logs.exists() else []
+
+
+def assert_one_line_error(args: list[str], cwd: Path, expected: str, timeout: float = 120) -> None:
+    """``cohort ARGS`` run as a user would, in ``cwd``: it fails with ``expected`` in one ``cohort: error:`` line at
+    the end of stderr, shows no traceback, and leaves the run folders as they were."""
+    before = run_folders(cwd)
+    result = run_cohort(args, cwd=cwd, timeout=timeout)
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("cohort: error: ") and expected in last_line, result.stderr[-3000:]
+    assert run_folders(cwd) == before, "a failed start must not create or change a run"
+
+
+@contextmanager
+def process_state_kept() -> Iterator[None]:
+    """Puts back what a ``cohort`` command run inside this process changes of it: environment variables (Lightning's
+    seed_everything sets PL_GLOBAL_SEED and PL_SEED_WORKERS), signal handlers and the signal wakeup fd (a run that
+    reaches training installs its preemption handlers), so that the tests after it find the process as it was."""
+    environ = dict(os.environ)
+    handlers = {signum: signal.getsignal(signum) for signum in signal.valid_signals()}
+    wakeup_fd = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup_fd)
+    try:
+        yield
+    finally:
+        for name in set(os.environ) - set(environ):
+            del os.environ[name]
+        os.environ.update({name: value for name, value in environ.items() if os.environ.get(name) != value})
+        for signum, handler in handlers.items():
+            if handler is not None and signal.getsignal(signum) != handler:  # None: installed outside Python
+                signal.signal(signum, handler)
+        signal.set_wakeup_fd(wakeup_fd)
+
+
+def run_in_process(args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cohort ARGS`` in this process (faster than a subprocess by the interpreter's and torch's start-up)."""
+    monkeypatch.setattr(sys, "argv", ["cohort"])  # ARGS are the whole command line
+    with process_state_kept():
+        main(args)
+
+
 def one_line_error(args: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
     """``cohort ARGS`` in this process, which must stop with one ``cohort: error:`` line; returns that line."""
-    monkeypatch.setattr(sys, "argv", ["cohort"])  # ARGS are the whole command line
     with pytest.raises(SystemExit) as exit_info:
-        main(args)
+        run_in_process(args, monkeypatch)
     message = str(exit_info.value.code)
     assert message.startswith("cohort: error: ") and "\n" not in message, message
     return message
@@ -94,6 +171,20 @@ def shrunk(byte_corpus: Path, steps: int) -> list[str]:
             "--data.data_dir", str(byte_corpus), "--data.num_workers", "0", "--model.warmup_steps", "2",
             "--model.max_new_tokens", "5", "--trainer.max_steps", str(steps), "--val_every_n_steps", str(steps),
             "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "1"]
+
+
+def clipped_run(byte_corpus: Path, *preset: str) -> list[str]:
+    """The quickstart recipe with a trainer preset after it, shrunk to CLIPPED_STEPS steps with clipping at CLIP."""
+    return [*QUICKSTART, *preset, *shrunk(byte_corpus, CLIPPED_STEPS), "--trainer.gradient_clip_val", str(CLIP)]
+
+
+def validate(run_dir: Path, args: list[str], *extra: str) -> float:
+    """``cohort validate`` in ``run_dir``; returns the validation loss it printed."""
+    result = run_cohort(["validate", *args, *QUIET, *extra], cwd=run_dir)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    printed = re.search(r"val/loss\W+([0-9.]+)", result.stdout)
+    assert printed, result.stdout[-3000:]
+    return float(printed.group(1))
 
 
 def scalars(run_dir: Path, tag: str, version: int = 0) -> list[float]:
@@ -142,6 +233,66 @@ def assert_weights_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert a.keys() == b.keys()
     different = [name for name in a if not torch.equal(a[name], b[name])]
     assert not different, f"not bitwise equal: {different}"
+
+
+def assert_trains_with_clipping_that_bites(run_dir: Path) -> tuple[list[float], list[float]]:
+    """A clipped_run's run: a finite loss and gradient norm at every step, every norm above CLIP (so it was
+    clipped), and a loss that fell; returns (losses, norms)."""
+    losses, norms = scalars(run_dir, "train/loss"), scalars(run_dir, "train/grad_norm")
+    assert len(losses) == len(norms) == CLIPPED_STEPS
+    assert all(torch.isfinite(torch.tensor(losses + norms)))
+    assert min(norms) > CLIP, norms
+    assert losses[-1] < losses[0] - 0.3, losses
+    return losses, norms
+
+
+def assert_trains_as_one_does(one: Path, other: Path, precision: str) -> None:
+    """Runs of the same global batch in another layout (more processes, or sharded) train as one process does: the
+    global gradient norm of every step (which depends on every earlier update) agrees, so gradients are averaged
+    over ranks and clipped by the global norm; in float32 the final weights agree too. (Validation is not compared:
+    limit_val_batches counts batches per rank.)"""
+    # seen on CPU: at most 3e-7 in float32; 5e-3 (one bfloat16 rounding step) under bf16
+    tolerance = 1e-5 if precision == "32-true" else 2e-2
+    assert scalars(other, "train/grad_norm") == pytest.approx(scalars(one, "train/grad_norm"), rel=tolerance)
+    if precision == "32-true":
+        assert_weights_close(last_checkpoint_weights(one), last_checkpoint_weights(other), rtol=1e-4)
+
+
+def assert_comparable_runs_agree(one: Path, other: Path) -> None:
+    """Two float32 runs of COMPARABLE_RUN in other layouts: the same validation loss after every step (it reads the
+    same windows at any world size) and the same final weights, up to the order in which sums were taken."""
+    assert scalars(other, "val/loss") == pytest.approx(scalars(one, "val/loss"), rel=1e-4)
+    assert_weights_close(last_checkpoint_weights(one), last_checkpoint_weights(other), rtol=1e-4)
+
+
+def poison_gradient(rank: int, step: int) -> list[str]:
+    """The flags that add PoisonGradientAtStep (a NaN in ``rank``'s gradients at ``step``, 1-based) to a run."""
+    return ["--trainer.callbacks+=tests.helpers.PoisonGradientAtStep", f"--trainer.callbacks.rank={rank}",
+            f"--trainer.callbacks.step={step}"]
+
+
+def record_weight_digests(out_dir: Path) -> list[str]:
+    """The flags that add RecordWeightDigests (writing into ``out_dir``) to a run."""
+    return ["--trainer.callbacks+=tests.helpers.RecordWeightDigests", f"--trainer.callbacks.out_dir={out_dir}"]
+
+
+def weight_digests_per_rank(run_dir: Path, world_size: int = 2) -> list[dict[int, str]]:
+    """What RecordWeightDigests wrote in ``run_dir``: per rank, {step: digest of its weights after that step}."""
+    return [{int(step): digest for step, digest in json.loads((run_dir / f"digests_rank{rank}.json").read_text()).items()}
+            for rank in range(world_size)]
+
+
+def weight_digests(run_dir: Path, world_size: int = 2) -> dict[int, str]:
+    """Weight digests by step, the same on every rank (else the replicas diverged)."""
+    per_rank = weight_digests_per_rank(run_dir, world_size)
+    assert all(digests == per_rank[0] for digests in per_rank), "the ranks' weights differ"
+    return per_rank[0]
+
+
+def assert_only_step_skipped(digests: dict[int, str], skipped: int, steps: int) -> None:
+    """Of optimizer steps 1 to ``steps`` (1-based), only ``skipped`` left the weights as they were."""
+    assert digests[skipped] == digests[skipped - 1]  # that step changed nothing
+    assert all(digests[step] != digests[step - 1] for step in range(1, steps + 1) if step != skipped)
 
 
 class SignalAtStep(Callback):

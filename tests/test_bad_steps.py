@@ -3,19 +3,19 @@ NaN exists afterwards. The loss-spike rule is checked on its own, without proces
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from app.__main__ import main
 from app.bad_steps import MIN_SPIKE_HISTORY, BadStepGuard
 from app.checkpoints import read_checkpoint
-from tests.helpers import DDP_2, QUIET, REPO_ROOT, one_line_error, run_cohort, scalars
+from tests.helpers import (
+    DDP_2, MODEL_PARALLEL, QUIET, assert_only_step_skipped, batch_sizes, one_line_error, poison_gradient,
+    record_weight_digests, run_cohort, run_in_process, scalars, weight_digests, weight_digests_per_rank,
+)
 
 POISONED_RANK = 1
 
@@ -24,13 +24,9 @@ def poisoned_run(run_dir: Path, debug_run_args: list[str], action: str, step: in
                  layout: list[str]) -> subprocess.CompletedProcess:
     """8 steps on 2 processes, checkpointing every 2, with rank 1's gradients poisoned at ``step``."""
     run_dir.mkdir()
-    return run_cohort(["fit", *debug_run_args, *QUIET, *layout, "--trainer.max_steps", "8",
-                       "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
+    return run_cohort(["fit", *debug_run_args, *QUIET, *layout, "--trainer.max_steps", "8", *batch_sizes(8, 4),
                        "--checkpoint.every_n_train_steps", "2", "--bad_steps.action", action,
-                       "--trainer.callbacks+=tests.helpers.PoisonGradientAtStep",
-                       f"--trainer.callbacks.rank={POISONED_RANK}", f"--trainer.callbacks.step={step}",
-                       "--trainer.callbacks+=tests.helpers.RecordWeightDigests",
-                       f"--trainer.callbacks.out_dir={run_dir}"], cwd=run_dir)
+                       *poison_gradient(POISONED_RANK, step), *record_weight_digests(run_dir)], cwd=run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -47,18 +43,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory, debug_run_args: list[str]) ->
     return get
 
 
-def digests_per_rank(run_dir: Path) -> list[dict[int, str]]:
-    return [{int(step): digest for step, digest in json.loads((run_dir / f"digests_rank{rank}.json").read_text()).items()}
-            for rank in (0, 1)]
-
-
-def digests(run_dir: Path) -> dict[int, str]:
-    """Weight digests by step, the same on both ranks (else the replicas diverged)."""
-    per_rank = digests_per_rank(run_dir)
-    assert per_rank[0] == per_rank[1], "the ranks' weights differ"
-    return per_rank[0]
-
-
 def assert_no_checkpoint_holds_nan(run_dir: Path) -> list[Path]:
     checkpoints = sorted((run_dir / "lightning_logs" / "version_0" / "checkpoints").glob("step=*.ckpt"))
     for path in checkpoints:
@@ -72,9 +56,7 @@ def test_skip_drops_the_update_on_every_rank_and_goes_on(runs: Callable) -> None
     result, run_dir = runs("skip", 3)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"step 3: the loss or gradients were NaN or inf on rank {POISONED_RANK} of 2" in result.stderr
-    after = digests(run_dir)
-    assert after[3] == after[2]  # step 3 changed nothing
-    assert all(after[step] != after[step - 1] for step in range(1, 9) if step != 3)
+    assert_only_step_skipped(weight_digests(run_dir), skipped=3, steps=8)
     assert scalars(run_dir, "train/skipped_steps")[-1] == 1
     assert len(assert_no_checkpoint_holds_nan(run_dir)) == 2
 
@@ -87,7 +69,7 @@ def test_stop_ends_both_ranks_with_one_line_and_keeps_the_last_good_checkpoint(r
     assert len(errors) == 1, errors  # each rank says the same
     assert f"step 3: the loss or gradients were NaN or inf on rank {POISONED_RANK} of 2" in min(errors)
     assert "last.ckpt is kept, the newest good checkpoint" in min(errors)
-    after = digests(run_dir)
+    after = weight_digests(run_dir)
     assert max(after) == 4 and after[3] == after[2]  # stopped after reading step 3's verdict, one step later
     assert [path.name for path in assert_no_checkpoint_holds_nan(run_dir)] == ["step=000002.ckpt"]
 
@@ -97,7 +79,7 @@ def test_rollback_reloads_the_last_checkpoint_on_every_rank_and_goes_on(runs: Ca
     result, run_dir = runs("rollback", 5)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rolled back every rank to" in result.stderr and "step=000004.ckpt" in result.stderr
-    after = digests(run_dir)
+    after = weight_digests(run_dir)
     assert after[5] == after[4]  # the bad step's update was skipped at once
     assert after[6] == after[4]  # read one step later: step 6's update was replaced by step 4's checkpoint
     assert after[7] != after[6] and max(after) == 8  # and training went on to the end
@@ -107,11 +89,10 @@ def test_rollback_reloads_the_last_checkpoint_on_every_rank_and_goes_on(runs: Ca
 @pytest.mark.slow
 def test_rollback_reloads_a_sharded_checkpoint(tmp_path: Path, debug_run_args: list[str]) -> None:
     """FSDP2 over 2 processes: each rank reloads its own shards from the checkpoint folder."""
-    result = poisoned_run(tmp_path / "run", debug_run_args, "rollback", 5,
-                          ["-c", str(REPO_ROOT / "configs/trainer/model_parallel_cpu.yaml")])
+    result = poisoned_run(tmp_path / "run", debug_run_args, "rollback", 5, MODEL_PARALLEL)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rolled back every rank to" in result.stderr and "step=000004.ckpt" in result.stderr
-    for after in digests_per_rank(tmp_path / "run"):  # the ranks hold different shards: each against itself
+    for after in weight_digests_per_rank(tmp_path / "run"):  # the ranks hold different shards: each against itself
         assert after[5] == after[4] and after[6] == after[4] and after[7] != after[6] and max(after) == 8
 
 
@@ -153,8 +134,7 @@ def test_bad_step_settings_are_checked(setting: str, value: str, debug_run_args:
 def test_an_unknown_action_is_named(debug_run_args: list[str], capsys: pytest.CaptureFixture[str],
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """jsonargparse's own message, from the type of the setting."""
-    monkeypatch.setattr(sys, "argv", ["cohort"])
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", *debug_run_args, "--bad_steps.action", "ignore"])
+        run_in_process(["fit", *debug_run_args, "--bad_steps.action", "ignore"], monkeypatch)
     assert exit_info.value.code == 2
     assert "bad_steps.action" in capsys.readouterr().err

@@ -1,88 +1,133 @@
-"""Bad input gets one line that says what was wrong and what to do, no traceback, and nothing written."""
+"""Bad input gets one line that says what was wrong and what to do, no traceback, and nothing written.
+
+The command itself (a subprocess, as a user runs it) is checked for a few bad inputs of different kinds; every
+bad input's message is checked in this process, which is several times faster."""
 
 from __future__ import annotations
 
 import os
-import sys
+import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from app.__main__ import main
-from tests.helpers import QUIET, one_line_error, run_cohort
-
-
-def assert_one_line_error(args: list[str], cwd: Path, expected: str) -> None:
-    runs_before = sorted(cwd.glob("lightning_logs/version_*"))
-    result = run_cohort(args, cwd=cwd, timeout=120)
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("cohort: error: ") and expected in last_line, result.stderr[-3000:]
-    assert sorted(cwd.glob("lightning_logs/version_*")) == runs_before, "a failed start must not create a run"
+from tests.helpers import (
+    ONE_STEP, QUIET, assert_one_line_error, batch_sizes, fit, last_checkpoint, one_line_error, run_folders,
+    run_in_process,
+)
 
 
 @pytest.fixture
 def fit_args(debug_run_args: list[str]) -> list[str]:
-    return ["fit", *debug_run_args, *QUIET, "--trainer.max_steps", "1"]
+    return ["fit", *debug_run_args, *QUIET, *ONE_STEP]
 
 
-def test_missing_data_dir(tmp_path: Path, fit_args: list[str]) -> None:
-    assert_one_line_error([*fit_args, "--data.data_dir", str(tmp_path / "nope")], tmp_path, "does not exist")
+def assert_one_line_error_in_process(args: list[str], cwd: Path, expected: str,
+                                     monkeypatch: pytest.MonkeyPatch) -> str:
+    """As assert_one_line_error, in this process: ``cohort ARGS`` run in ``cwd`` stops with one line naming
+    ``expected`` and leaves the run folders as they were; returns the line."""
+    monkeypatch.chdir(cwd)
+    before = run_folders(cwd)
+    message = one_line_error(args, monkeypatch)
+    assert expected in message, message
+    assert run_folders(cwd) == before, "a failed start must not create or change a run"
+    return message
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file, so an unreadable file cannot be made")
-def test_unreadable_token_file(tmp_path: Path, fit_args: list[str]) -> None:
+# Bad inputs: each makes what it needs in a folder and returns the flags that point at it and a part of the message
+BadInput = Callable[[Path], tuple[list[str], str]]
+
+
+def missing_data_dir(folder: Path) -> tuple[list[str], str]:
+    return ["--data.data_dir", str(folder / "nope")], "does not exist"
+
+
+def unreadable_token_file(folder: Path) -> tuple[list[str], str]:
     for split in ("train", "val"):
-        np.zeros(1000, dtype="<u2").tofile(tmp_path / f"{split}.bin")
-    (tmp_path / "train.bin").chmod(0)
-    assert_one_line_error([*fit_args, "--data.data_dir", str(tmp_path)], tmp_path, "is not readable")
+        np.zeros(1000, dtype="<u2").tofile(folder / f"{split}.bin")
+    (folder / "train.bin").chmod(0)
+    return ["--data.data_dir", str(folder)], "is not readable"
 
 
-def test_token_file_with_partial_token(tmp_path: Path, fit_args: list[str]) -> None:
-    np.zeros(1000, dtype="<u2").tofile(tmp_path / "train.bin")
-    (tmp_path / "val.bin").write_bytes(b"\x00" * 1001)
-    assert_one_line_error([*fit_args, "--data.data_dir", str(tmp_path)], tmp_path, "not a whole number")
+def token_file_with_partial_token(folder: Path) -> tuple[list[str], str]:
+    np.zeros(1000, dtype="<u2").tofile(folder / "train.bin")
+    (folder / "val.bin").write_bytes(b"\x00" * 1001)
+    return ["--data.data_dir", str(folder)], "not a whole number"
 
 
-def test_non_dividing_batch_sizes(tmp_path: Path, fit_args: list[str]) -> None:
-    args = [*fit_args, "--data.global_batch_size", "10", "--data.micro_batch_size", "4"]
-    assert_one_line_error(args, tmp_path, "data.global_batch_size=10 is not a multiple")
+def non_dividing_batch_sizes(folder: Path) -> tuple[list[str], str]:
+    return batch_sizes(10, 4), "data.global_batch_size=10 is not a multiple"
 
 
-def test_unknown_model_name(tmp_path: Path, fit_args: list[str]) -> None:
-    assert_one_line_error([*fit_args, "--model.model_name", "gpt5"], tmp_path, "unknown model.model_name 'gpt5'")
+def unknown_model_name(folder: Path) -> tuple[list[str], str]:
+    return ["--model.model_name", "gpt5"], "unknown model.model_name 'gpt5'"
 
 
-def test_impossible_precision_for_the_cpu(tmp_path: Path, fit_args: list[str]) -> None:
-    assert_one_line_error([*fit_args, "--trainer.precision", "16-true"], tmp_path, "trainer.precision=16-true")
+def impossible_precision_for_the_cpu(folder: Path) -> tuple[list[str], str]:
+    return ["--trainer.precision", "16-true"], "trainer.precision=16-true"
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU error")
-def test_gpu_asked_for_on_a_machine_without_one(tmp_path: Path, fit_args: list[str]) -> None:
-    assert_one_line_error([*fit_args, "--trainer.accelerator", "gpu"], tmp_path, "no CUDA GPU is visible")
+def gpu_asked_for_on_a_machine_without_one(folder: Path) -> tuple[list[str], str]:
+    return ["--trainer.accelerator", "gpu"], "no CUDA GPU is visible"
 
 
-def test_sequence_longer_than_the_model(tmp_path: Path, fit_args: list[str]) -> None:
-    assert_one_line_error([*fit_args, "--data.sequence_length", "65"], tmp_path, "exceeds the block_size 64")
+def sequence_longer_than_the_model(folder: Path) -> tuple[list[str], str]:
+    return ["--data.sequence_length", "65"], "exceeds the block_size 64"
 
 
-def test_missing_and_corrupt_checkpoints(tmp_path: Path, fit_args: list[str]) -> None:
-    assert_one_line_error([*fit_args, "--ckpt_path", str(tmp_path / "x.ckpt")], tmp_path, "does not exist")
-    (tmp_path / "bad.ckpt").write_bytes(b"not a checkpoint")
-    assert_one_line_error([*fit_args, "--ckpt_path", str(tmp_path / "bad.ckpt")], tmp_path, "not a torch checkpoint")
+def missing_checkpoint(folder: Path) -> tuple[list[str], str]:
+    return ["--ckpt_path", str(folder / "x.ckpt")], "does not exist"
 
 
-def test_checkpoint_of_another_model(tmp_path: Path, fit_args: list[str]) -> None:
-    result = run_cohort([*fit_args, "--checkpoint.every_n_train_steps", "1"], cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    checkpoint = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
-    args = [*fit_args, "--model.model_name", "small", "--data.sequence_length", "64", "--ckpt_path", str(checkpoint)]
-    assert_one_line_error(args, tmp_path, "was trained with model.model_name='debug'")
+def corrupt_checkpoint(folder: Path) -> tuple[list[str], str]:
+    (folder / "bad.ckpt").write_bytes(b"not a checkpoint")
+    return ["--ckpt_path", str(folder / "bad.ckpt")], "not a torch checkpoint"
 
 
-ONE_STEP = ["--trainer.max_steps", "1"]  # should a check let a run start, it ends at once
+BAD_INPUTS = [
+    missing_data_dir,
+    pytest.param(unreadable_token_file, marks=pytest.mark.skipif(
+        os.geteuid() == 0, reason="root reads any file, so an unreadable file cannot be made")),
+    token_file_with_partial_token,
+    non_dividing_batch_sizes,
+    unknown_model_name,
+    impossible_precision_for_the_cpu,
+    pytest.param(gpu_asked_for_on_a_machine_without_one, marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="checks the no-GPU error")),
+    sequence_longer_than_the_model,
+    missing_checkpoint,
+    corrupt_checkpoint,
+]
+
+
+def input_name(bad_input: BadInput) -> str:
+    return bad_input.__name__.replace("_", "-")
+
+
+@pytest.mark.parametrize("bad_input", [missing_data_dir, non_dividing_batch_sizes, corrupt_checkpoint], ids=input_name)
+def test_the_command_prints_one_line_without_a_traceback(bad_input: BadInput, fit_args: list[str],
+                                                         tmp_path: Path) -> None:
+    """The plumbing, as a user sees it: a data error, a batch-arithmetic error and a checkpoint error."""
+    flags, expected = bad_input(tmp_path)
+    assert_one_line_error([*fit_args, *flags], tmp_path, expected)
+
+
+@pytest.mark.parametrize("bad_input", BAD_INPUTS, ids=input_name)
+def test_bad_input_stops_in_one_line(bad_input: BadInput, fit_args: list[str], tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    flags, expected = bad_input(tmp_path)
+    assert_one_line_error_in_process([*fit_args, *flags], tmp_path, expected, monkeypatch)
+
+
+def test_checkpoint_of_another_model(tmp_path: Path, debug_run_args: list[str], fit_args: list[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    fit(tmp_path, [*debug_run_args, *ONE_STEP], "--checkpoint.every_n_train_steps", "1")  # a real checkpoint
+    args = [*fit_args, "--model.model_name", "small", "--data.sequence_length", "64",
+            "--ckpt_path", str(last_checkpoint(tmp_path))]
+    assert_one_line_error_in_process(args, tmp_path, "was trained with model.model_name='debug'", monkeypatch)
 
 
 @pytest.mark.parametrize("flags, expected", [
@@ -101,56 +146,69 @@ ONE_STEP = ["--trainer.max_steps", "1"]  # should a check let a run start, it en
     (["--data.val_samples", "0"], "data.val_samples=0 must be a positive integer, or null"),
     (["--trainer.num_nodes", "2"], "trainer.num_nodes=2 but no launcher started this process"),
 ], ids=lambda value: value if isinstance(value, str) and value.startswith("--") else None)
-def test_out_of_range_settings_stop_in_one_line(flags: list[str], expected: str, debug_run_args: list[str],
+def test_out_of_range_settings_stop_in_one_line(flags: list[str], expected: str, fit_args: list[str],
                                                 tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    assert expected in one_line_error(["fit", *debug_run_args, *ONE_STEP, *flags], monkeypatch)
-    assert not (tmp_path / "lightning_logs").exists()
+    assert_one_line_error_in_process([*fit_args, *flags], tmp_path, expected, monkeypatch)
 
 
-def test_a_launcher_that_started_other_processes_than_the_config_says(debug_run_args: list[str], tmp_path: Path,
+def test_a_launcher_that_started_other_processes_than_the_config_says(fit_args: list[str], tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in {"TORCHELASTIC_RUN_ID": "job", "RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0",
                         "LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "4"}.items():  # what torchrun --nproc_per_node 4 sets
         monkeypatch.setenv(name, value)
-    monkeypatch.chdir(tmp_path)
-    assert "torchrun started 4 processes but trainer.devices=1 x trainer.num_nodes=1 = 1" in one_line_error(
-        ["fit", *debug_run_args, "--trainer.devices", "1", *ONE_STEP], monkeypatch)
+    assert_one_line_error_in_process([*fit_args, "--trainer.devices", "1"], tmp_path,
+                                     "torchrun started 4 processes but trainer.devices=1 x trainer.num_nodes=1 = 1",
+                                     monkeypatch)
 
 
-def test_torchrun_restarts_onto_its_shared_rendezvous_store_are_refused(debug_run_args: list[str], tmp_path: Path,
+def test_torchrun_restarts_onto_its_shared_rendezvous_store_are_refused(fit_args: list[str], tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in {"TORCHELASTIC_RUN_ID": "none", "RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0",
                         "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "1", "TORCHELASTIC_MAX_RESTARTS": "1",
                         "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():  # torchrun --max-restarts 1, static rendezvous
         monkeypatch.setenv(name, value)
-    monkeypatch.chdir(tmp_path)
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in one_line_error(["fit", *debug_run_args, *ONE_STEP], monkeypatch)
+    assert_one_line_error_in_process(fit_args, tmp_path, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", monkeypatch)
 
 
-def test_log_and_checkpoint_folders_that_cannot_be_made(debug_run_args: list[str], tmp_path: Path,
+def test_log_and_checkpoint_folders_that_cannot_be_made(fit_args: list[str], tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "a_file").write_text("")
-    monkeypatch.chdir(tmp_path)
-    message = one_line_error(["fit", *debug_run_args, *ONE_STEP, "--trainer.logger.init_args.save_dir", "a_file/logs"],
-                             monkeypatch)
-    assert "the log folder a_file/logs/lightning_logs cannot be made: a_file is a file, not a folder" in message
-    message = one_line_error(["fit", *debug_run_args, *ONE_STEP, "--checkpoint.dirpath", "a_file"], monkeypatch)
-    assert "the checkpoint folder a_file cannot be made: a_file is a file, not a folder" in message
+    assert_one_line_error_in_process(
+        [*fit_args, "--trainer.logger.init_args.save_dir", "a_file/logs"], tmp_path,
+        "the log folder a_file/logs/lightning_logs cannot be made: a_file is a file, not a folder", monkeypatch)
+    assert_one_line_error_in_process(
+        [*fit_args, "--checkpoint.dirpath", "a_file"], tmp_path,
+        "the checkpoint folder a_file cannot be made: a_file is a file, not a folder", monkeypatch)
 
 
 @pytest.mark.parametrize("field, expected", [("learning_rate: abc", "learning_rate"),
                                              ("learnin_rate: 0.1", "learnin_rate")], ids=["wrong-type", "unknown-key"])
-def test_a_yaml_value_of_the_wrong_type_or_an_unknown_key_is_named(field: str, expected: str, debug_run_args: list[str],
+def test_a_yaml_value_of_the_wrong_type_or_an_unknown_key_is_named(field: str, expected: str, fit_args: list[str],
                                                                    tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """jsonargparse's own message, before anything is built."""
     config = tmp_path / "config.yaml"
     config.write_text(f"model:\n  {field}\n")
-    monkeypatch.setattr(sys, "argv", ["cohort"])
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", *debug_run_args, *ONE_STEP, "-c", str(config)])
+        run_in_process([*fit_args, "-c", str(config)], monkeypatch)
     assert exit_info.value.code == 2
     printed = capsys.readouterr().err
     assert "error:" in printed and expected in printed, printed
+    assert run_folders(tmp_path) == []
+
+
+def test_a_command_run_in_this_process_leaves_the_process_as_it_was(fit_args: list[str], tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-process checks above rely on it: a run that reaches training (it seeds, and installs its preemption
+    handlers) must not leave its environment variables or signal handlers to the tests after it."""
+    def process_state() -> tuple[dict[str, str], list[object], int]:
+        wakeup_fd = signal.set_wakeup_fd(-1)
+        signal.set_wakeup_fd(wakeup_fd)
+        return dict(os.environ), [signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)], wakeup_fd
+
+    before = process_state()
+    monkeypatch.chdir(tmp_path)
+    run_in_process(fit_args, monkeypatch)
+    assert last_checkpoint(tmp_path).exists()  # it did train
+    assert process_state() == before

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,9 +10,8 @@ import yaml
 from jsonargparse import ArgumentParser
 from lightning.pytorch.strategies import FSDPStrategy
 
-from app.__main__ import main
 from models.gpt import Block
-from tests.helpers import QUIET, REPO_ROOT, one_line_error, run_cohort
+from tests.helpers import QUICKSTART, QUIET, REPO_ROOT, one_line_error, run_cohort, run_in_process
 
 CONFIGS = sorted((REPO_ROOT / "configs").rglob("*.yaml"))
 TRAINER_PRESETS = sorted((REPO_ROOT / "configs" / "trainer").glob("*.yaml"))
@@ -46,9 +44,8 @@ def test_recipe_and_preset_parse_and_pass_the_config_checks(recipe: Path, preset
     if refusal is not None:
         assert refusal in one_line_error(args, monkeypatch)
         return
-    monkeypatch.setattr(sys, "argv", ["cohort"])  # the arguments below are the whole command line
     with pytest.raises(SystemExit) as exit_info:
-        main(args)
+        run_in_process(args, monkeypatch)
     assert exit_info.value.code in (0, None)
     printed = capsys.readouterr().out
     assert "model_name:" in printed and "global_batch_size:" in printed
@@ -78,8 +75,7 @@ def test_every_field_carries_a_comment(path: Path) -> None:
 @pytest.mark.slow
 def test_quickstart_runs_on_two_processes(tmp_path: Path, byte_corpus: Path) -> None:
     """The README's scaling line: the quickstart recipe with the ddp_cpu preset composed after it."""
-    result = run_cohort(["fit", "-c", str(REPO_ROOT / "configs/quickstart.yaml"),
-                         "-c", str(REPO_ROOT / "configs/trainer/ddp_cpu.yaml"), *QUIET,
+    result = run_cohort(["fit", *QUICKSTART, "-c", str(REPO_ROOT / "configs/trainer/ddp_cpu.yaml"), *QUIET,
                          "--data.data_dir", str(byte_corpus), "--trainer.max_steps", "2",
                          "--trainer.limit_val_batches", "2", "--val_every_n_steps", "2",
                          "--model.max_new_tokens", "5"], cwd=tmp_path)

@@ -18,11 +18,10 @@ import pytest
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
 from app.checkpoints import META_FILE, is_sharded_checkpoint, os_error_in, read_checkpoint
-from tests.helpers import DDP_2, QUIET, REPO_ROOT, run_cohort
+from tests.helpers import DDP_2, MODEL_PARALLEL, QUIET, batch_sizes, run_cohort
 
 CHECKPOINTS = Path("lightning_logs/version_0/checkpoints")  # the default checkpoint.dirpath of a new run
-EVERY_2_STEPS = ["--trainer.max_steps", "8", "--checkpoint.every_n_train_steps", "2", "--data.global_batch_size", "4"]
-MODEL_PARALLEL = ["-c", str(REPO_ROOT / "configs/trainer/model_parallel_cpu.yaml")]  # FSDP2 on 2 processes
+EVERY_2_STEPS = ["--trainer.max_steps", "8", "--checkpoint.every_n_train_steps", "2"]
 
 
 def mount_tmpfs(folder: Path, options: str) -> None:
@@ -59,7 +58,7 @@ def test_a_full_disk_stops_the_run_keeps_last_and_resumes(tmp_path: Path, debug_
                                                            small_disk: Callable[[Path, str], Path]) -> None:
     """1 process, checkpoints every 2 steps, keep 2: steps 2 and 4 fit, step 6 does not."""
     folder = small_disk(tmp_path / CHECKPOINTS)
-    run = ["fit", *debug_run_args, *QUIET, *EVERY_2_STEPS, "--data.micro_batch_size", "4"]
+    run = ["fit", *debug_run_args, *QUIET, *EVERY_2_STEPS, *batch_sizes(4, 4)]
     result = run_cohort([*run, "--trainer.logger.init_args.version", "0"], cwd=tmp_path)  # version_0 exists: the mount
     assert result.returncode == 1, result.stderr[-3000:]
     [line] = error_lines(result)
@@ -83,7 +82,7 @@ def test_a_read_only_checkpoint_folder_stops_the_run_at_the_first_save(tmp_path:
                                                                        small_disk: Callable[[Path, str], Path]) -> None:
     """Another OSError than a full disk gets its own words; nothing was saved before it."""
     folder = small_disk(tmp_path / CHECKPOINTS, "ro")
-    result = run_cohort(["fit", *debug_run_args, *QUIET, *EVERY_2_STEPS, "--data.micro_batch_size", "4",
+    result = run_cohort(["fit", *debug_run_args, *QUIET, *EVERY_2_STEPS, *batch_sizes(4, 4),
                          "--trainer.logger.init_args.version", "0"], cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-3000:]
     assert error_lines(result) == [
@@ -100,7 +99,7 @@ def test_a_full_temporary_folder_is_named(tmp_path: Path, debug_run_args: list[s
     is the full one, the line says so rather than only naming the checkpoint folder, which has room."""
     staging = small_disk(tmp_path / "tmp", "size=256k")
     monkeypatch.setenv("TMPDIR", str(staging))
-    result = run_cohort(["fit", *debug_run_args, *QUIET, *EVERY_2_STEPS, "--data.micro_batch_size", "4"], cwd=tmp_path)
+    result = run_cohort(["fit", *debug_run_args, *QUIET, *EVERY_2_STEPS, *batch_sizes(4, 4)], cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-3000:]
     [line] = error_lines(result)
     assert line.startswith("cohort: error: step 2: the disk is full (No space left on device, ")
@@ -118,7 +117,7 @@ def test_a_full_disk_stops_every_rank_alike(strategy: list[str], kept_step: int,
     it at a barrier but stop with the same line. FSDP2: both ranks write shards into one folder, and DCP reports
     the failure inside a CheckpointException. Then the run resumes from the checkpoint the line names."""
     folder = small_disk(tmp_path / "small")
-    run = ["fit", *debug_run_args, *QUIET, *strategy, *EVERY_2_STEPS, "--data.micro_batch_size", "2",
+    run = ["fit", *debug_run_args, *QUIET, *strategy, *EVERY_2_STEPS, *batch_sizes(4, 2),
            "--checkpoint.dirpath", str(folder)]
     result = run_cohort(run, cwd=tmp_path, timeout=120)
     assert result.returncode == 1, result.stderr[-3000:]

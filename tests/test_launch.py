@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from app.__main__ import main
-from tests.helpers import DDP_2, QUIET, REPO_ROOT, assert_weights_equal, fit, free_port, last_checkpoint_weights
+from tests.helpers import (
+    DDP_2, ONE_STEP, QUIET, REPO_ROOT, assert_weights_equal, batch_sizes, fit, free_port, last_checkpoint_weights,
+    run_in_process,
+)
 
 pytestmark = pytest.mark.slow
 TORCHRUN = str(REPO_ROOT / "scripts" / "torchrun.sh")
@@ -32,8 +34,7 @@ def two_node_fit_args(debug_run_args: list[str], out_dir: Path) -> list[str]:
     """The multi-node GPU preset on CPUs: one process per node, keeping its strategy, bf16-mixed and clipping."""
     return ["fit", *debug_run_args, *QUIET, "-c", str(REPO_ROOT / "configs/trainer/multinode_gpu_bf16.yaml"),
             "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.gradient_clip_val", "0.1",
-            "--trainer.max_steps", "3", "--data.global_batch_size", "4",
-            "--data.micro_batch_size", "2", "--trainer.callbacks+=tests.helpers.RecordWorldSize",
+            "--trainer.max_steps", "3", *batch_sizes(4, 2), "--trainer.callbacks+=tests.helpers.RecordWorldSize",
             f"--trainer.callbacks.out_dir={out_dir}"]
 
 
@@ -119,8 +120,7 @@ def test_two_hosts_with_their_own_addresses_train_together(tmp_path: Path, debug
 
 
 def test_a_killed_rank_stops_the_job_with_a_clear_message(tmp_path: Path, debug_run_args: list[str]) -> None:
-    args = ["fit", *debug_run_args, *QUIET, "--trainer.strategy", "ddp", "--trainer.devices", "2",
-            "--trainer.max_steps", "50", "--data.global_batch_size", "4", "--data.micro_batch_size", "2",
+    args = ["fit", *debug_run_args, *QUIET, *DDP_2, "--trainer.max_steps", "50", *batch_sizes(4, 2),
             "--trainer.callbacks+=tests.helpers.KillRank", "--trainer.callbacks.rank=1", "--trainer.callbacks.step=3"]
     start = time.monotonic()
     job = launch(args, tmp_path, NPROC_PER_NODE="2", MASTER_PORT=str(free_port()), MAX_RESTARTS="0")
@@ -136,7 +136,7 @@ def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_interrupted(tmp
     """SIGKILL of rank 1 in step 5, checkpoints every 3 steps: torchrun restarts both ranks, they resume from step 3
     by themselves (no --ckpt_path), and the final weights are bitwise those of a run never interrupted."""
     run = [*debug_run_args, *DDP_2, "--trainer.max_steps", "8", "--checkpoint.every_n_train_steps", "3",
-           "--model.dropout", "0.1", "--data.global_batch_size", "4", "--data.micro_batch_size", "2"]
+           "--model.dropout", "0.1", *batch_sizes(4, 2)]
     restarted = tmp_path / "restarted"
     restarted.mkdir()
     job = launch(["fit", *run, *QUIET, "--trainer.callbacks+=tests.helpers.KillRank", "--trainer.callbacks.rank=1",
@@ -161,8 +161,7 @@ def test_a_restart_does_not_resume_a_checkpoint_older_than_the_job(tmp_path: Pat
                         "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "1"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.chdir(tmp_path)
-    main(["fit", *debug_run_args, *QUIET, "--trainer.max_steps", "1", "--data.global_batch_size", "2",
-          "--data.micro_batch_size", "2"])
+    run_in_process(["fit", *debug_run_args, *QUIET, *ONE_STEP, *batch_sizes(2, 2)], monkeypatch)
     assert (tmp_path / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt").exists()
 
 

@@ -20,13 +20,12 @@ from app.flops import formula_flops_per_token, measured_flops_per_token, peak_tf
 from app.monitoring import RankMonitor, median_of_others
 from core.run_plan import RunPlan
 from models.gpt import GPT_CONFIGS
-from tests.helpers import DDP_2, QUIET, REPO_ROOT, free_port, run_cohort, scalars
+from tests.helpers import DDP_2, QUIET, REPO_ROOT, batch_sizes, free_port, run_cohort, scalars
 
 
 def monitored_fit(tmp_path: Path, args: list[str], *extra: str) -> subprocess.CompletedProcess:
     return run_cohort(["fit", *args, *QUIET, *DDP_2, "--trainer.max_steps", "8", "--monitor.every_n_steps", "2",
-                       "--monitor.straggler_windows", "2", "--data.global_batch_size", "8",
-                       "--data.micro_batch_size", "2", *extra], cwd=tmp_path)
+                       "--monitor.straggler_windows", "2", *batch_sizes(8, 2), *extra], cwd=tmp_path)
 
 
 @pytest.mark.slow

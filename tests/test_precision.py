@@ -25,67 +25,51 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from core.run_plan import RunPlan
 from datamodules.language_modeling import LanguageModelingDataModule
 from models.language_model import GPTLanguageModel, weight_decay_groups
-from tests.helpers import REPO_ROOT, cached_fits, fit, scalars, shrunk, without_key_bias
+from tests.helpers import (
+    CLIP, CONFIG_DIR, GPU_LAYOUTS, PRECISIONS, assert_trains_as_one_does, assert_trains_with_clipping_that_bites, cached_fits,
+    clipped_run, fit, scalars, shrunk, without_key_bias,
+)
 
 pytestmark = pytest.mark.slow
 
-CONFIGS = REPO_ROOT / "configs"
-QUICKSTART = ["-c", str(CONFIGS / "quickstart.yaml")]
-STEPS = 6
-CLIP = 0.1  # below the debug model's gradient norm in these steps, so clipping bites at every step
-
 # a trainer preset composed after a recipe, as the README does; GPU presets with CPU devices of the same strategy
 CPU_LAYOUTS = {
-    "1 process": ["-c", str(CONFIGS / "trainer/cpu.yaml")],
-    "ddp-2": ["-c", str(CONFIGS / "trainer/ddp_cpu.yaml")],
-    "model_parallel-2": ["-c", str(CONFIGS / "trainer/model_parallel_cpu.yaml")],
+    "1 process": ["-c", str(CONFIG_DIR / "trainer/cpu.yaml")],
+    "ddp-2": ["-c", str(CONFIG_DIR / "trainer/ddp_cpu.yaml")],
+    "model_parallel-2": ["-c", str(CONFIG_DIR / "trainer/model_parallel_cpu.yaml")],
 }
 ON_CPU = ["--trainer.accelerator", "cpu"]
-GPU_PRESETS_ON_CPU = {
-    "1 process": ["-c", str(CONFIGS / "trainer/gpu_bf16.yaml"), *ON_CPU],
-    "ddp-2": ["-c", str(CONFIGS / "trainer/ddp_gpu_bf16.yaml"), *ON_CPU, "--trainer.devices", "2"],
-    "model_parallel-2": ["-c", str(CONFIGS / "trainer/model_parallel_gpu_bf16.yaml"), *ON_CPU,
-                         "--trainer.devices", "2", "--trainer.strategy.init_args.data_parallel_size", "2"],
-}
-PRECISIONS = ["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
+GPU_PRESETS_ON_CPU = {layout: [*GPU_LAYOUTS[gpu_layout], *ON_CPU]
+                      for layout, gpu_layout in {"1 process": "1 gpu", "ddp-2": "ddp-2",
+                                                 "model_parallel-2": "model_parallel-2"}.items()}
 
 
-def run_args(precision: str, layout: str) -> list[str]:
+def layout_preset(precision: str, layout: str) -> list[str]:
     """The shipped preset where one ships this precision (32-true: the CPU presets; bf16-mixed: the GPU ones)."""
     if precision == "bf16-mixed":
-        return [*QUICKSTART, *GPU_PRESETS_ON_CPU[layout]]
-    return [*QUICKSTART, *CPU_LAYOUTS[layout], "--trainer.precision", precision]
+        return GPU_PRESETS_ON_CPU[layout]
+    return [*CPU_LAYOUTS[layout], "--trainer.precision", precision]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) -> Callable[[str, str], Path]:
-    return cached_fits(tmp_path_factory, lambda precision, layout: [
-        *run_args(precision, layout), *shrunk(byte_corpus, STEPS), "--trainer.gradient_clip_val", str(CLIP)])
+    return cached_fits(tmp_path_factory,
+                       lambda precision, layout: clipped_run(byte_corpus, *layout_preset(precision, layout)))
 
 
 @pytest.mark.parametrize("layout", CPU_LAYOUTS)
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_each_precision_trains_with_clipping_that_bites(trained: Callable[[str, str], Path], precision: str,
                                                         layout: str) -> None:
-    run_dir = trained(precision, layout)
-    losses, norms = scalars(run_dir, "train/loss"), scalars(run_dir, "train/grad_norm")
-    assert len(losses) == len(norms) == STEPS
-    assert all(torch.isfinite(torch.tensor(losses + norms)))
-    assert min(norms) > CLIP, norms
-    assert losses[-1] < losses[0] - 0.3, losses
+    assert_trains_with_clipping_that_bites(trained(precision, layout))
 
 
 @pytest.mark.parametrize("layout", ["ddp-2", "model_parallel-2"])
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_two_processes_train_as_one_does_in_each_precision(trained: Callable[[str, str], Path], precision: str,
                                                            layout: str) -> None:
-    """Same global batch, so the same training: the global gradient norm of every step (which depends on every
-    earlier update) agrees with one process's, so gradients are averaged over ranks and clipped by the global
-    norm. (Validation is not compared: limit_val_batches counts batches per rank.)"""
-    one, two = scalars(trained(precision, "1 process"), "train/grad_norm"), scalars(trained(precision, layout), "train/grad_norm")
-    # seen here: at most 3e-7 in float32; 5e-3 (one bfloat16 rounding step) under bf16
-    tolerance = 1e-5 if precision == "32-true" else 2e-2
-    assert two == pytest.approx(one, rel=tolerance)
+    """Same global batch, so the same training (see assert_trains_as_one_does)."""
+    assert_trains_as_one_does(trained(precision, "1 process"), trained(precision, layout), precision)
 
 
 def test_16_mixed_on_cpu_says_it_runs_as_bf16(trained: Callable[[str, str], Path]) -> None:
@@ -101,7 +85,7 @@ def test_gpu_recipes_run_two_steps_with_their_preset(tmp_path: Path, byte_corpus
                                                      preset: list[str]) -> None:
     """The README's GPU commands on CPU: the recipe's clipping, accumulation (32 and 128 micro-batches per rank
     per step), activation checkpointing and compile are kept."""
-    fit(tmp_path, ["-c", str(CONFIGS / recipe), *preset, *shrunk(byte_corpus, 2)])
+    fit(tmp_path, ["-c", str(CONFIG_DIR / recipe), *preset, *shrunk(byte_corpus, 2)])
     assert all(torch.isfinite(torch.tensor(scalars(tmp_path, "train/loss") + scalars(tmp_path, "val/loss"))))
     assert len(scalars(tmp_path, "train/grad_norm")) == 2
 

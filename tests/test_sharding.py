@@ -3,7 +3,6 @@ does, sharded checkpoints resume exactly, consolidate, and move between strategi
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
@@ -11,13 +10,13 @@ import pytest
 import torch
 
 from tests.helpers import (
-    QUIET, REPO_ROOT, assert_weights_close, assert_weights_equal, fit, fit_killed_mid_accumulation, last_checkpoint,
-    last_checkpoint_weights, run_cohort, scalars,
+    COMPARABLE_RUN, MODEL_PARALLEL, QUIET, assert_comparable_runs_agree, assert_one_line_error, assert_weights_close,
+    assert_weights_equal, fit, fit_killed_mid_accumulation, last_checkpoint, last_checkpoint_weights, run_cohort,
+    validate,
 )
 
 pytestmark = pytest.mark.slow
 
-MODEL_PARALLEL = ["-c", str(REPO_ROOT / "configs/trainer/model_parallel_cpu.yaml")]  # dp=2, tp=1 on 2 processes
 TENSOR_PARALLEL = [*MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
                    "--trainer.strategy.init_args.tensor_parallel_size", "2"]
 SHARDED_ON_ONE_PROCESS = [*MODEL_PARALLEL, "--trainer.devices", "1",
@@ -25,17 +24,8 @@ SHARDED_ON_ONE_PROCESS = [*MODEL_PARALLEL, "--trainer.devices", "1",
 
 
 @pytest.fixture(scope="module")
-def run_args(byte_corpus: Path) -> list[str]:
-    """4 optimizer steps of the debug model, validated after each, with gradient clipping that bites; the
-    schedule does not depend on max_steps, so a run resumed to more steps continues the same schedule."""
-    return [
-        "--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.log_every_n_steps", "1",
-        "--model.model_name", "debug", "--model.warmup_steps", "2", "--model.lr_decay_steps", "8",
-        "--data.data_dir", str(byte_corpus), "--data.sequence_length", "64",
-        "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
-        "--data.val_samples", "16", "--trainer.limit_val_batches", "1.0", "--val_every_n_steps", "1",
-        "--trainer.max_steps", "4", "--trainer.gradient_clip_val", "0.1",
-    ]
+def run_args(debug_run_args: list[str]) -> list[str]:
+    return [*debug_run_args, *COMPARABLE_RUN]
 
 
 @pytest.fixture(scope="module")
@@ -48,24 +38,16 @@ def fsdp2_run(tmp_path_factory: pytest.TempPathFactory, run_args: list[str]) -> 
     return fit(tmp_path_factory.mktemp("fsdp2"), run_args, *MODEL_PARALLEL)
 
 
-def validate(run_dir: Path, args: list[str], *extra: str) -> float:
-    result = run_cohort(["validate", *args, *QUIET, *extra], cwd=run_dir)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return float(re.search(r"val/loss\W+([0-9.]+)", result.stdout).group(1))
-
-
 def test_fsdp2_trains_as_one_process_does(one_process_run: Path, fsdp2_run: Path) -> None:
     assert last_checkpoint(fsdp2_run).is_dir()  # sharded: one file per rank
-    assert scalars(fsdp2_run, "val/loss") == pytest.approx(scalars(one_process_run, "val/loss"), rel=1e-4)
-    assert_weights_close(last_checkpoint_weights(one_process_run), last_checkpoint_weights(fsdp2_run), rtol=1e-4)
+    assert_comparable_runs_agree(one_process_run, fsdp2_run)
 
 
 def test_tensor_parallel_with_activation_checkpointing_trains_as_one_process_does(
     tmp_path: Path, run_args: list[str], one_process_run: Path
 ) -> None:
     run = fit(tmp_path, run_args, *TENSOR_PARALLEL, "--model.activation_checkpointing", "true")
-    assert scalars(run, "val/loss") == pytest.approx(scalars(one_process_run, "val/loss"), rel=1e-4)
-    assert_weights_close(last_checkpoint_weights(one_process_run), last_checkpoint_weights(run), rtol=1e-4)
+    assert_comparable_runs_agree(one_process_run, run)
 
 
 def test_sharded_resume_after_sigkill_is_bitwise_exact(tmp_path: Path, run_args: list[str]) -> None:
@@ -123,8 +105,4 @@ def test_sharding_mistakes_get_one_line(tmp_path: Path, run_args: list[str], fsd
          "was trained with model.model_name='debug'"),
     ]
     for extra, expected in cases:
-        result = run_cohort(["fit", *run_args, *QUIET, *extra], cwd=tmp_path, timeout=120)
-        last_line = result.stderr.strip().splitlines()[-1]
-        assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
-        assert last_line.startswith("cohort: error: ") and expected in last_line, last_line
-        assert not (tmp_path / "lightning_logs").exists()
+        assert_one_line_error(["fit", *run_args, *QUIET, *extra], tmp_path, expected)  # and no lightning_logs

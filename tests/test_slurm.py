@@ -16,9 +16,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.helpers import QUIET, REPO_ROOT, assert_weights_equal, free_port, last_checkpoint_weights, run_cohort
+from tests.helpers import (
+    DDP_2, QUIET, REPO_ROOT, assert_weights_equal, batch_sizes, fit, free_port, last_checkpoint_weights,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -110,9 +111,7 @@ def wait_until_finished(slurm: dict[str, str], job_id: str, timeout: float) -> s
 
 def test_sbatch_script_trains_with_two_tasks(slurm: dict[str, str], tmp_path: Path,
                                              debug_run_args: list[str]) -> None:
-    job_id = submit(slurm, tmp_path, [*debug_run_args, *QUIET, "--trainer.devices", "2", "--trainer.strategy", "ddp",
-                                      "--trainer.max_steps", "4", "--data.global_batch_size", "4",
-                                      "--data.micro_batch_size", "2"])
+    job_id = submit(slurm, tmp_path, [*debug_run_args, *QUIET, *DDP_2, "--trainer.max_steps", "4", *batch_sizes(4, 2)])
     state = wait_until_finished(slurm, job_id, timeout=240)
     log = (tmp_path / f"slurm-{job_id}.out").read_text()
     assert state == "COMPLETED", log[-3000:]
@@ -123,8 +122,7 @@ def test_sbatch_script_trains_with_two_tasks(slurm: dict[str, str], tmp_path: Pa
 
 def test_preempted_job_requeues_and_resumes_to_the_same_weights(slurm: dict[str, str], tmp_path: Path,
                                                                 debug_run_args: list[str]) -> None:
-    run = [*debug_run_args, *QUIET, "--trainer.devices", "2", "--trainer.strategy", "ddp",
-           "--trainer.max_steps", "300", "--data.global_batch_size", "4", "--data.micro_batch_size", "2",
+    run = [*debug_run_args, *QUIET, *DDP_2, "--trainer.max_steps", "300", *batch_sizes(4, 2),
            "--checkpoint.every_n_train_steps", "1000", "--trainer.callbacks+=tests.helpers.SlowRank",
            "--trainer.callbacks.rank=0", "--trainer.callbacks.seconds=0.02"]  # about 10 s of training
     job_dir = tmp_path / "job"
@@ -142,20 +140,15 @@ def test_preempted_job_requeues_and_resumes_to_the_same_weights(slurm: dict[str,
     stopped_at = int(re.search(r"stopping after step (\d+)", log).group(1))
     assert 0 < stopped_at < 300
 
-    straight = tmp_path / "straight"
-    straight.mkdir()
-    result = run_cohort(["fit", *run], cwd=straight)
-    assert result.returncode == 0, result.stderr[-3000:]
-    interrupted, uninterrupted = last_checkpoint_weights(job_dir), last_checkpoint_weights(straight)
-    assert all(torch.equal(interrupted[name], uninterrupted[name]) for name in uninterrupted)
+    straight = fit(tmp_path / "straight", run)
+    assert_weights_equal(last_checkpoint_weights(straight), last_checkpoint_weights(job_dir))
 
 
 def test_a_crashed_task_requeues_the_job_which_resumes_to_the_same_weights(slurm: dict[str, str], tmp_path: Path,
                                                                            debug_run_args: list[str]) -> None:
     """SIGKILL of rank 1 in step 5, checkpoints every 3 steps: srun ends the step, the script requeues the job, the
     requeued job resumes from step 3 and ends with the weights of a run never interrupted."""
-    run = [*debug_run_args, *QUIET, "--trainer.devices", "2", "--trainer.strategy", "ddp",
-           "--trainer.max_steps", "8", "--data.global_batch_size", "4", "--data.micro_batch_size", "2",
+    run = [*debug_run_args, *QUIET, *DDP_2, "--trainer.max_steps", "8", *batch_sizes(4, 2),
            "--checkpoint.every_n_train_steps", "3", "--model.dropout", "0.1"]
     job_dir = tmp_path / "job"
     job_dir.mkdir()
@@ -166,8 +159,5 @@ def test_a_crashed_task_requeues_the_job_which_resumes_to_the_same_weights(slurm
     assert state == "COMPLETED", log[-4000:]
     assert "(restart 1)" in log and "resuming from lightning_logs/version_0/checkpoints/last.ckpt" in log
 
-    straight = tmp_path / "straight"
-    straight.mkdir()
-    result = run_cohort(["fit", *run], cwd=straight)
-    assert result.returncode == 0, result.stderr[-3000:]
+    straight = fit(tmp_path / "straight", run)
     assert_weights_equal(last_checkpoint_weights(straight), last_checkpoint_weights(job_dir))

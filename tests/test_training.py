@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,16 +12,15 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import (
-    DDP_2, QUIET, assert_weights_close, assert_weights_equal, cached_fits, fit, fit_killed_mid_accumulation,
-    last_checkpoint_weights, run_cohort,
+    DDP_2, QUIET, assert_weights_close, assert_weights_equal, batch_sizes, cached_fits, fit,
+    fit_killed_mid_accumulation, last_checkpoint_weights, run_cohort, validate,
 )
 
 pytestmark = pytest.mark.slow
 
 
 def test_single_process_fit_logs_to_tensorboard(tmp_path: Path, debug_run_args: list[str]) -> None:
-    fit(tmp_path, debug_run_args, "--trainer.max_steps", "6", "--val_every_n_steps", "3",
-        "--data.global_batch_size", "8", "--data.micro_batch_size", "4")
+    fit(tmp_path, debug_run_args, "--trainer.max_steps", "6", "--val_every_n_steps", "3", *batch_sizes(8, 4))
     log_dir = tmp_path / "lightning_logs" / "version_0"
     events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     events.Reload()
@@ -38,7 +36,7 @@ def test_single_process_fit_logs_to_tensorboard(tmp_path: Path, debug_run_args: 
 
 def test_ddp_two_processes_match_one_process(tmp_path: Path, debug_run_args: list[str]) -> None:
     """Same global batch: 1 process x 2 accumulation steps and 2 processes x 1 step train the same weights."""
-    batch = ["--trainer.max_steps", "5", "--data.global_batch_size", "8", "--data.micro_batch_size", "4"]
+    batch = ["--trainer.max_steps", "5", *batch_sizes(8, 4)]
     single = fit(tmp_path / "single", debug_run_args, *batch)
     ddp = fit(tmp_path / "ddp", debug_run_args, *batch, *DDP_2)
     assert_weights_close(last_checkpoint_weights(single), last_checkpoint_weights(ddp), rtol=1e-5)
@@ -51,13 +49,13 @@ def test_accumulation_matches_a_larger_micro_batch(tmp_path: Path, debug_run_arg
     runs = {}
     for micro in (4, 8):
         runs[micro] = fit(tmp_path / f"micro{micro}", debug_run_args, "--trainer.max_steps", "5",
-                          "--data.global_batch_size", "8", "--data.micro_batch_size", str(micro))
+                          *batch_sizes(8, micro))
     assert_weights_close(last_checkpoint_weights(runs[4]), last_checkpoint_weights(runs[8]), rtol=1e-4)
 
 
 def test_ddp_all_reduces_gradients_once_per_optimizer_step(tmp_path: Path, debug_run_args: list[str]) -> None:
     fit(tmp_path, debug_run_args, *DDP_2, "--trainer.max_steps", "4",
-        "--data.global_batch_size", "16", "--data.micro_batch_size", "2",  # 4 micro-batches per step per rank
+        *batch_sizes(16, 2),  # 4 micro-batches per step per rank
         "--trainer.callbacks+=tests.helpers.GradientAllReduceCounter",
         f"--trainer.callbacks.out_dir={tmp_path}")
     for rank in (0, 1):
@@ -69,8 +67,7 @@ def test_ddp_all_reduces_gradients_once_per_optimizer_step(tmp_path: Path, debug
 def resume_test_run(debug_run_args: list[str], layout: str) -> list[str]:
     """6 steps of 4 micro-batches per rank with dropout, checkpointing every 3 steps, on 1 process or DDP-2."""
     return [*debug_run_args, "--trainer.max_steps", "6", "--checkpoint.every_n_train_steps", "3",
-            "--val_every_n_steps", "2", "--model.dropout", "0.1",
-            "--data.global_batch_size", "8", "--data.micro_batch_size", "2",
+            "--val_every_n_steps", "2", "--model.dropout", "0.1", *batch_sizes(8, 2),
             *(DDP_2 if layout == "ddp-2" else [])]
 
 
@@ -122,8 +119,7 @@ def test_a_rank_blocked_in_a_collective_ends_within_the_grace_time_after_sigterm
     """SIGTERM to both ranks while rank 1 hangs in step 3: rank 0 waits in the all-reduce and never reaches a step
     boundary, so after preemption.grace_seconds both processes end by themselves, exit 143, and say so in one line."""
     start = time.monotonic()
-    result = run_cohort(["fit", *debug_run_args, *QUIET, *DDP_2, "--trainer.max_steps", "50",
-                         "--data.global_batch_size", "4", "--data.micro_batch_size", "2",
+    result = run_cohort(["fit", *debug_run_args, *QUIET, *DDP_2, "--trainer.max_steps", "50", *batch_sizes(4, 2),
                          "--preemption.grace_seconds", "3", "--trainer.callbacks+=tests.helpers.SignalAllThenHang",
                          "--trainer.callbacks.signal_name=SIGTERM", "--trainer.callbacks.rank=1",
                          "--trainer.callbacks.step=3"], cwd=tmp_path)
@@ -142,17 +138,14 @@ def test_validation_loss_is_the_same_on_one_and_two_processes(tmp_path: Path, de
     for processes in (1, 2):
         run_dir = tmp_path / str(processes)
         run_dir.mkdir()
-        result = run_cohort(["validate", *debug_run_args, *QUIET, "--data.val_samples", "9",
-                             "--trainer.limit_val_batches", "1.0", "--trainer.devices", str(processes),
-                             "--trainer.strategy", "ddp" if processes > 1 else "auto"], cwd=run_dir)
-        assert result.returncode == 0, result.stderr[-3000:]
-        losses.append(float(re.search(r"val/loss\W+([0-9.]+)", result.stdout).group(1)))
+        losses.append(validate(run_dir, [*debug_run_args, "--data.val_samples", "9", "--trainer.limit_val_batches",
+                                         "1.0", "--trainer.devices", str(processes),
+                                         "--trainer.strategy", "ddp" if processes > 1 else "auto"]))
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
 
 
 def test_predict_generates_text_from_a_checkpoint(tmp_path: Path, debug_run_args: list[str]) -> None:
-    fit(tmp_path, debug_run_args, "--trainer.max_steps", "2", "--data.global_batch_size", "4",
-        "--data.micro_batch_size", "4")
+    fit(tmp_path, debug_run_args, "--trainer.max_steps", "2", *batch_sizes(4, 4))
     result = run_cohort(["predict", *debug_run_args, *QUIET, "--ckpt_path", "last", "--model.max_new_tokens", "20",
                          "--data.prompts", "['import os']"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
