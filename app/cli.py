@@ -3,6 +3,7 @@ and the token-file datamodule, with Cohort's checks before anything is built. ``
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -129,8 +130,14 @@ class CohortCLI(LightningCLI):
                 self.trainer.callbacks.remove(callback)
 
 
+def without_advertisements(record: logging.LogRecord) -> bool:
+    """A logging filter: Lightning's tips to install its cloud products are nothing a user of this run acts on."""
+    return not record.getMessage().startswith("💡 Tip")
+
+
 def run_cli(args: list[str] | None) -> None:
     """The Lightning subcommands; a run stopped by a signal exits non-zero, saying how to resume."""
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(without_advertisements)  # rank_zero_info's
     cli = CohortCLI(args=args)
     preemption = preemption_callback(cli.trainer)
     if preemption is not None and (message := preemption.stop_message(cli.trainer)):

@@ -1,4 +1,4 @@
-"""FLOPs of a training step and the peak FLOP/s of accelerators, for achieved TFLOP/s and MFU.
+"""FLOPs of a training step and the peak FLOP/s of devices (from data sheets, or measured), for TFLOP/s and MFU.
 
 Two independent counts of the training FLOPs per token are kept and checked against each other: the standard
 formula 6N + 12·L·H·Q·T (PaLM, appendix B: N parameters excluding the position table, L layers, H heads, Q head
@@ -7,6 +7,8 @@ which costs no memory and no compute.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -48,3 +50,23 @@ def peak_tflops_per_device(device_name: str, precision: str) -> float | None:
         if model in device_name:
             return peaks[kind]
     return None
+
+
+def measured_peak_tflops(device: torch.device, precision: str, seconds: float = 0.2) -> float:
+    """The matmul TFLOP/s this device reaches now, in the precision's compute dtype: square matmuls, repeated for
+    about ``seconds`` after one to warm up. The peak for MFU where the table has none (a CPU, an unlisted GPU)."""
+    dtype = torch.bfloat16 if "bf16" in precision else torch.float16 if precision.startswith("16") else torch.float32
+    if device.type == "cpu" and dtype == torch.float16:
+        dtype = torch.bfloat16  # 16-mixed runs as bf16-mixed on CPUs
+    size = 4096 if device.type == "cuda" else 512
+    a, b = torch.randn(size, size, device=device, dtype=dtype), torch.randn(size, size, device=device, dtype=dtype)
+    a @ b  # warm-up: kernel selection, thread pools
+    count, start = 0, time.perf_counter()
+    while True:
+        a @ b
+        count += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return 2 * size**3 * count / elapsed / 1e12

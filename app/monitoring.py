@@ -35,7 +35,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from app.flops import formula_flops_per_token, measured_flops_per_token, peak_tflops_per_device
+from app.flops import formula_flops_per_token, measured_flops_per_token, measured_peak_tflops, peak_tflops_per_device
 from app.tensorboard_layout import log_final_val_loss, write_layout
 from core.run_plan import run_plan_of
 
@@ -116,7 +116,8 @@ class RankMonitor(Callback):
             data_wait_warning_share: warn when waiting for data exceeds this share of the step time.
             loss_alert_sigmas: warn when a rank's mean loss is this many standard errors from the others'.
             replica_check_every_n_steps: compare DDP replicas' weights this often (0: never).
-            peak_tflops: peak TFLOP/s of one device, for MFU where the built-in table does not know the device.
+            peak_tflops: peak TFLOP/s of one device, for MFU; None: the data sheet's for GPUs in app/flops.py,
+                else what a short matmul probe measures at the start (CPUs, other GPUs).
             enabled: False leaves the monitor out of the run (the CLI removes it before fit).
         """
         self.enabled = enabled
@@ -146,7 +147,12 @@ class RankMonitor(Callback):
         if abs(self.flops_per_token - formula) > 0.05 * formula:
             alert(f"FLOP count {self.flops_per_token:.4g}/token differs from 6N + 12LHQT = {formula:.4g}")
         device_name = torch.cuda.get_device_name(trainer.strategy.root_device) if self._cuda else "CPU"
-        self.peak = self.peak_tflops or peak_tflops_per_device(device_name, str(trainer.precision))
+        self.peak, self.peak_source = self.peak_tflops, "monitor.peak_tflops"
+        if self.peak is None:
+            self.peak, self.peak_source = peak_tflops_per_device(device_name, str(trainer.precision)), "data sheet"
+        if self.peak is None:  # ranks sharing a machine probe together, so each gets its share, as in training
+            self.peak = measured_peak_tflops(trainer.strategy.root_device, str(trainer.precision))
+            self.peak_source = "matmul probe at start"
         self.hosts = [socket.gethostname()] * trainer.world_size
         if dist.is_available() and dist.is_initialized():
             dist.all_gather_object(self.hosts, socket.gethostname())  # once per run
@@ -266,8 +272,7 @@ class RankMonitor(Callback):
             "throughput/tflops": tflops,
             "throughput/tflops_per_device": tflops / trainer.world_size,
         }
-        if self.peak:
-            metrics["throughput/mfu"] = tflops / (self.peak * trainer.world_size)
+        metrics["throughput/mfu"] = tflops / (self.peak * trainer.world_size)
         for name in FIELDS[:-2]:
             values = window[name]
             metrics.update({f"monitor/{name}/min": min(values), f"monitor/{name}/median": statistics.median(values),
@@ -350,16 +355,17 @@ class RankMonitor(Callback):
         rows = [
             ("tokens/s (all ranks)", f"{mean('throughput/tokens_per_second'):,.0f}"),
             ("TFLOP/s (all ranks)", f"{mean('throughput/tflops'):.3f}"),
-            ("MFU", f"{mean('throughput/mfu'):.1%}" if "throughput/mfu" in last else "n/a (unknown peak)"),
+            ("MFU", f"{mean('throughput/mfu'):.1%} of {self.peak:.3g} TFLOP/s per device ({self.peak_source})"),
             ("step time, median rank", f"{mean('monitor/step_s/median'):.3f} s"),
             ("data wait share, worst rank", f"{max(w['monitor/data_wait_share/max'] for w in self.summary):.1%}"),
             ("host RSS, largest rank", f"{max(w['monitor/host_rss_gib/max'] for w in self.summary):.2f} GiB"),
-            ("CUDA peak allocated, largest rank",
-             f"{max(w['monitor/cuda_peak_allocated_gib/max'] for w in self.summary):.2f} GiB"),
             ("straggler events", str(self.straggler_events)),
             ("waiting for the slowest rank", f"{mean('monitor/straggler_cost_share'):.1%} of the step"
              if "monitor/straggler_cost_share" in last else "n/a (sync wait not timed)"),
         ]
+        if self._cuda:
+            rows.insert(6, ("CUDA peak allocated, largest rank",
+                            f"{max(w['monitor/cuda_peak_allocated_gib/max'] for w in self.summary):.2f} GiB"))
         width = max(len(name) for name, _ in rows)
         rank_zero_info("run summary (" + f"{len(self.summary)} windows of {self.every_n_steps} steps)\n"
                        + "\n".join(f"  {name:<{width}}  {value}" for name, value in rows))

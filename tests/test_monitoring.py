@@ -12,11 +12,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 
-from app.flops import formula_flops_per_token, measured_flops_per_token, peak_tflops_per_device
+from app.flops import formula_flops_per_token, measured_flops_per_token, measured_peak_tflops, peak_tflops_per_device
 from app.monitoring import RankMonitor, median_of_others
 from core.run_plan import RunPlan
 from models.gpt import GPT_CONFIGS
@@ -45,7 +46,10 @@ def test_balanced_run_logs_every_rank_and_raises_no_alarm(tmp_path: Path, debug_
     parts = [sum(events.Scalars(f"monitor/{f}/median")[i].value for f in ("data_wait_s", "compute_s", "sync_wait_s"))
              for i in range(4)]
     assert all(0 < part <= step * 1.05 for part, step in zip(parts, steps))  # the split fits inside the step
-    assert "run summary" in result.stderr + result.stdout
+    console = result.stderr + result.stdout
+    assert "run summary" in console and "(matmul probe at start)" in console  # an MFU on CPUs too
+    assert "throughput/mfu" in tags
+    assert "CUDA" not in console and "Tip" not in console  # nothing meaningless on this device, no advertisement
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +191,12 @@ def test_flop_count_matches_a_hand_computed_case() -> None:
     gpt2 = GPT_CONFIGS["gpt2"]
     formula = formula_flops_per_token(gpt2, 1024)
     assert measured_flops_per_token(gpt2, 1024) == pytest.approx(formula, rel=0.002)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_the_probe_measures_a_plausible_peak(precision: str) -> None:
+    """Between 1 GFLOP/s and 100 TFLOP/s for one CPU: a wrong FLOP count or clock would miss by orders of magnitude."""
+    assert 1e-3 < measured_peak_tflops(torch.device("cpu"), precision, seconds=0.05) < 100
 
 
 def test_peak_table_covers_a100_h100_h200_and_not_cpus() -> None:
