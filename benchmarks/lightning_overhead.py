@@ -233,15 +233,18 @@ def report(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -
     medians = {}
     for kind, runs in steps.items():
         every = [t for run in runs for t, _ in run]
-        quiet = [t for run in runs for t, calm in run if calm] or every  # never quiet: all steps
-        medians[kind] = statistics.median(quiet)
+        quiet = [t for run in runs for t, calm in run if calm]
+        medians[kind] = statistics.median(quiet or every)
         per_repeat = " ".join(f"{statistics.median(t for t, _ in run):.4f}" for run in runs)
-        print(f"{kind:>9}: median {medians[kind]:.4f} s/step over {len(quiet)} quiet steps "
+        over = f"over {len(quiet)} quiet steps" if quiet else "over all steps: NONE was quiet, so this is not a measurement"
+        print(f"{kind:>9}: median {medians[kind]:.4f} s/step {over} "
               f"({statistics.median(every):.4f} over all {len(every)}); per repeat: {per_repeat}")
     # the two sides' k-th steps ran back to back, so their ratio and difference cancel the host's slow drifts
     every_pair = [(lt, pt, p_calm and l_calm) for plain, lightning in zip(steps["plain"], steps["lightning"])
                   for (pt, p_calm), (lt, l_calm) in zip(plain, lightning)]
     pairs = [(lt, pt) for lt, pt, calm in every_pair if calm] or [(lt, pt) for lt, pt, _ in every_pair]
+    if not all(any(calm for run in runs for _, calm in run) for runs in steps.values()):
+        print("other processes used the CPU during every step of a side: run again on an idle machine")
     ratio = medians["lightning"] / medians["plain"]
     bar = medians["plain"] * 1.01 + 0.1
     print(f"(quiet: other processes used < {QUIET_LOAD} cores during the step)\n\n"
