@@ -14,7 +14,7 @@ COMMANDS: dict[str, str] = {
     "validate": "the validation loss and perplexity of a checkpoint (--ckpt_path)",
     "test": "the test loss and perplexity of a checkpoint (--ckpt_path)",
     "predict": "continue prompts with a checkpoint's model (--ckpt_path, --data.prompts)",
-    "prepare": "turn text files or folders into train.bin and val.bin (byte-level tokens) for fit",
+    "prepare": "turn text files or folders into train.bin and val.bin (bytes or any tokenizer.json) for fit",
     "doctor": "pre-flight checks, run with the launcher and config of the job they precede",
     "comm": "collective bandwidth (all-reduce, all-gather, reduce-scatter) of the launched processes",
     "consolidate": "turn a sharded checkpoint folder into one file, for any strategy or load_from_checkpoint",

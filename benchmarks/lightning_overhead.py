@@ -283,11 +283,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.warmup_steps < 1 or args.global_batch_size % args.micro_batch_size:
         sys.exit("--warmup-steps must be >= 1 and --global-batch-size a multiple of --micro-batch-size")
     sys.path.insert(0, str(REPO_ROOT))
-    from datamodules.prepare import prepare_byte_corpus, stdlib_source_files
+    from datamodules.prepare import prepare_corpus, stdlib_source_files
 
     with tempfile.TemporaryDirectory(prefix="lightning_overhead_") as tmp:
         args.data_dir = str(Path(tmp) / "corpus")
-        train_tokens, _ = prepare_byte_corpus(stdlib_source_files()[:CORPUS_FILES], Path(args.data_dir))
+        train_tokens, _ = prepare_corpus(stdlib_source_files()[:CORPUS_FILES], Path(args.data_dir))
         steps_per_epoch = (train_tokens - 1) // args.sequence_length // args.global_batch_size
         if args.warmup_steps + args.steps > steps_per_epoch:  # an epoch boundary would add work to one step
             sys.exit(f"at most {steps_per_epoch} steps fit in one epoch of the benchmark corpus")

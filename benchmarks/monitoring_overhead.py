@@ -117,11 +117,11 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     args = parser.parse_args()
 
-    from datamodules.prepare import prepare_byte_corpus, stdlib_source_files
+    from datamodules.prepare import prepare_corpus, stdlib_source_files
 
     with tempfile.TemporaryDirectory(prefix="monitoring_overhead_") as scratch:
         root = Path(scratch)
-        prepare_byte_corpus(stdlib_source_files()[:100], root / "corpus")
+        prepare_corpus(stdlib_source_files()[:100], root / "corpus")
         steps: dict[bool, list[float]] = {True: [], False: []}
         hook_share = []
         for repeat in range(args.repeats):

@@ -18,9 +18,10 @@ from torch.utils.data import DataLoader
 
 from core.errors import UserError, check_ranges
 from core.run_plan import RunPlan, run_plan_of
-from datamodules.prepare import BYTE_VOCAB_SIZE, DEFAULT_CORPUS_DIR, prepare_byte_corpus, stdlib_source_files
+from datamodules.encoding import BYTE_VOCAB_SIZE
+from datamodules.prepare import DEFAULT_CORPUS_DIR, DEFAULT_SEQUENCE_LENGTH, prepare_corpus, stdlib_source_files
 from datamodules.samplers import EvenShardSampler, GlobalBatchSampler
-from datamodules.token_files import TokenWindows, check_token_file
+from datamodules.token_files import TokenWindows, check_token_folder
 
 
 class ResumableDataLoader(DataLoader):
@@ -65,7 +66,7 @@ class LanguageModelingDataModule(L.LightningDataModule):
         self,
         data_dir: str | None = None,
         vocab_size: int = BYTE_VOCAB_SIZE,
-        sequence_length: int = 128,
+        sequence_length: int = DEFAULT_SEQUENCE_LENGTH,
         global_batch_size: int = 32,
         micro_batch_size: int = 8,
         val_samples: int | None = None,
@@ -76,7 +77,8 @@ class LanguageModelingDataModule(L.LightningDataModule):
         """
         Args:
             data_dir: folder with train.bin and val.bin; None builds and uses the embedded stdlib corpus.
-            vocab_size: tokenizer vocabulary; decides uint16 or uint32 token files.
+            vocab_size: tokenizer vocabulary; decides uint16 or uint32 token files, and must be the one the
+                folder's meta.json records (if it has one: `cohort prepare` writes it).
             sequence_length: tokens per sample (at most the model's block_size).
             global_batch_size: samples per optimizer step, over all ranks and accumulation steps.
             micro_batch_size: samples per forward/backward on one device.
@@ -98,8 +100,7 @@ class LanguageModelingDataModule(L.LightningDataModule):
         }, locals())
         self.data_dir = Path(data_dir) if data_dir is not None else DEFAULT_CORPUS_DIR
         if data_dir is not None:  # check user data now, before any work starts
-            for split in ("train", "val"):
-                check_token_file(self.data_dir / f"{split}.bin", vocab_size)
+            check_token_folder(self.data_dir, vocab_size)
         elif vocab_size != BYTE_VOCAB_SIZE:
             raise UserError(f"the embedded corpus is byte-level (vocab_size {BYTE_VOCAB_SIZE}), not {vocab_size}: "
                             "leave data.vocab_size at 256 or set data.data_dir to your own token files")
@@ -119,7 +120,7 @@ class LanguageModelingDataModule(L.LightningDataModule):
         """Build the embedded corpus once per node (Lightning calls this on local rank 0 only)."""
         built = all((self.data_dir / f"{split}.bin").exists() for split in ("train", "val"))
         if self.data_dir == DEFAULT_CORPUS_DIR and not built:
-            train_tokens, val_tokens = prepare_byte_corpus(stdlib_source_files(), self.data_dir)
+            train_tokens, val_tokens = prepare_corpus(stdlib_source_files(), self.data_dir)
             print(f"built the embedded corpus in {self.data_dir}: {train_tokens:,} train and {val_tokens:,} val tokens")
 
     def setup(self, stage: str) -> None:

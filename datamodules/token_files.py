@@ -1,10 +1,15 @@
 """Flat token files, the format common to GPT training repos: token ids back to back, little-endian, uint16
 (uint32 when the vocabulary has more than 65,536 entries), no header. They are read through ``np.memmap`` so
 that a file of any size costs only the pages a sample touches.
+
+``cohort prepare`` writes a ``meta.json`` beside them: the tokenizer (``bytes``, or a tokenizer file's name and the
+SHA-256 of its text), ``vocab_size``, ``dtype`` and the token counts of each split. Folders without one (older ones,
+or made by other tools) are read as before.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -16,6 +21,7 @@ from core.errors import UserError
 from core.tokens import IGNORE_INDEX
 
 PADDING_INDEX = -1  # a sample index that stands for "no sample" (see EvenShardSampler)
+META_FILE = "meta.json"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -39,6 +45,34 @@ def check_token_file(path: Path, vocab_size: int) -> int:
             f"(vocab_size={vocab_size} means {dtype.name}): the file is truncated or was written with another dtype"
         )
     return size // dtype.itemsize
+
+
+def check_token_folder(data_dir: Path, vocab_size: int) -> None:
+    """A UserError if train.bin or val.bin cannot be read as ``vocab_size`` tokens, or if the folder's meta.json
+    records another vocabulary, or token counts that the files no longer hold."""
+    meta_path = data_dir / META_FILE
+    meta = None
+    if meta_path.is_file():
+        try:
+            meta = json.loads(meta_path.read_text())
+            if not isinstance(meta, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as error:
+            raise UserError(f"{meta_path} cannot be read as JSON ({error}): prepare the folder again with "
+                            "`cohort prepare`, or delete it") from None
+        if meta.get("vocab_size") != vocab_size:
+            raise UserError(
+                f"{data_dir} holds tokens of {meta.get('tokenizer')} with vocabulary size {meta.get('vocab_size')} "
+                f"(its {META_FILE}), not data.vocab_size={vocab_size}: set data.vocab_size {meta.get('vocab_size')}"
+            )
+    for split in ("train", "val"):
+        num_tokens = check_token_file(data_dir / f"{split}.bin", vocab_size)
+        if meta is not None and meta.get(f"{split}_tokens") != num_tokens:
+            raise UserError(
+                f"{data_dir}/{split}.bin holds {num_tokens} tokens, but its {META_FILE} says "
+                f"{meta.get(f'{split}_tokens')}: the files changed after `cohort prepare` wrote them; prepare the "
+                f"folder again, or delete {META_FILE}"
+            )
 
 
 class TokenWindows(Dataset):

@@ -4,14 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from datamodules.prepare import prepare_byte_corpus, stdlib_source_files
+from datamodules.prepare import prepare_corpus, stdlib_source_files
 
 
 @pytest.fixture(scope="session")
 def byte_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small byte-level corpus (about 1 MB of stdlib source) in train.bin / val.bin."""
     out = tmp_path_factory.mktemp("corpus")
-    prepare_byte_corpus(stdlib_source_files()[:60], out, val_fraction=0.1)
+    prepare_corpus(stdlib_source_files()[:60], out, val_fraction=0.1)
     return out
 
 

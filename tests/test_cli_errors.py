@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from datamodules.prepare import prepare_corpus
 from tests.helpers import (
     ONE_STEP, QUIET, assert_one_line_error, batch_sizes, fit, last_checkpoint, one_line_error, run_folders,
     run_in_process,
@@ -58,6 +59,12 @@ def token_file_with_partial_token(folder: Path) -> tuple[list[str], str]:
     return ["--data.data_dir", str(folder)], "not a whole number"
 
 
+def token_files_of_another_vocabulary(folder: Path) -> tuple[list[str], str]:
+    (folder / "notes.txt").write_text("some notes\n" * 100)
+    prepare_corpus([folder / "notes.txt"], folder / "data", sequence_length=8)  # bytes: vocabulary 256
+    return ["--data.data_dir", str(folder / "data"), "--data.vocab_size", "300"], "set data.vocab_size 256"
+
+
 def non_dividing_batch_sizes(folder: Path) -> tuple[list[str], str]:
     return batch_sizes(10, 4), "data.global_batch_size=10 is not a multiple"
 
@@ -92,6 +99,7 @@ BAD_INPUTS = [
     pytest.param(unreadable_token_file, marks=pytest.mark.skipif(
         os.geteuid() == 0, reason="root reads any file, so an unreadable file cannot be made")),
     token_file_with_partial_token,
+    token_files_of_another_vocabulary,
     non_dividing_batch_sizes,
     unknown_model_name,
     impossible_precision_for_the_cpu,

@@ -19,9 +19,9 @@ from core.errors import UserError
 from core.run_plan import RunPlan
 from core.tokens import IGNORE_INDEX
 from datamodules.language_modeling import LanguageModelingDataModule
-from datamodules.prepare import collect_text_files, prepare_byte_corpus
+from datamodules.prepare import collect_text_files, prepare_corpus
 from datamodules.samplers import EvenShardSampler, GlobalBatchSampler
-from datamodules.token_files import PADDING_INDEX, TokenWindows, check_token_file
+from datamodules.token_files import PADDING_INDEX, TokenWindows, check_token_file, check_token_folder
 from models.gpt import GPT, gpt_config
 
 
@@ -272,7 +272,18 @@ def test_prepare_splits_by_file_and_writes_bytes(tmp_path: Path) -> None:
     (texts / "skip.bin").write_bytes(b"\x00")
     files = collect_text_files([texts])
     assert len(files) == 10
-    train, val = prepare_byte_corpus(files, tmp_path / "out", val_fraction=0.1)
+    train, val = prepare_corpus(files, tmp_path / "out", val_fraction=0.1, sequence_length=8)
     val_text = np.fromfile(tmp_path / "out" / "val.bin", dtype="<u2").astype(np.uint8).tobytes().decode()
     assert val_text == "document 9 é\n" and val == len(val_text.encode())
     assert train == sum(len(f.read_bytes()) for f in files[:9]) + 8  # joined by newlines
+
+
+def test_token_files_changed_after_prepare_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("some notes\n" * 50)
+    prepare_corpus([tmp_path / "notes.txt"], tmp_path / "out", val_fraction=0.2, sequence_length=8)
+    check_token_folder(tmp_path / "out", vocab_size=256)
+    np.zeros(1000, dtype="<u2").tofile(tmp_path / "out" / "val.bin")  # from another tool, meta.json left as it was
+    with pytest.raises(UserError, match="val.bin holds 1000 tokens, but its meta.json says 110"):
+        check_token_folder(tmp_path / "out", vocab_size=256)
+    (tmp_path / "out" / "meta.json").unlink()  # a folder without one is read as before
+    check_token_folder(tmp_path / "out", vocab_size=256)
