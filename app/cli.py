@@ -13,7 +13,9 @@ from typing import Any
 
 from jsonargparse import Namespace
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -25,6 +27,7 @@ from app.commands import DESCRIPTION, LIGHTNING_COMMANDS, describe
 from app.monitoring import RankMonitor, ReplicaDivergenceError
 from app.preemption import PreemptionCheckpoint, preemption_callback
 from app.preflight import Preflight, check_config
+from app.progress import StepProgress
 from core.errors import UserError
 from core.run_plan import RunPlan
 from core.seeding import DEFAULT_SEED
@@ -84,6 +87,8 @@ class CohortCLI(LightningCLI):
         parser.add_lightning_class_args(RankMonitor, "monitor")  # per-rank timing, stragglers, MFU, memory
         parser.add_lightning_class_args(BadStepGuard, "bad_steps")  # NaN, inf and loss spikes: stop, skip, rollback
         parser.add_lightning_class_args(PreemptionCheckpoint, "preemption")  # SIGTERM, SIGUSR1: checkpoint, then stop
+        # not a callback key: instantiate_trainer adds it only where Lightning would add its own bar
+        parser.add_class_arguments(StepProgress, "progress")
         parser.add_argument(
             "--val_every_n_steps", type=int | None, default=None,
             help="validate every N optimizer steps (whatever the accumulation); None: once per epoch",
@@ -110,6 +115,17 @@ class CohortCLI(LightningCLI):
                 class_path="lightning.fabric.plugins.environments.SLURMEnvironment",
                 init_args=Namespace(auto_requeue=False))]
         self.run_plan = Preflight(config, self.subcommand).run()
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """Lightning's trainer, with StepProgress where Lightning would add its own bar: when the progress bar is on
+        and no ProgressBar is among the callbacks (one there while the bar is off would make Lightning raise)."""
+        config = self.config_init[self.subcommand]
+        given = config.trainer.callbacks or []
+        callbacks = [given] if isinstance(given, Callback) else list(given)
+        bar_on = config.trainer.enable_progress_bar is not False and not config.trainer.barebones
+        if bar_on and not any(isinstance(callback, ProgressBar) for callback in callbacks):
+            kwargs["callbacks"] = [*callbacks, config.progress]
+        return super().instantiate_trainer(**kwargs)
 
     def instantiate_classes(self) -> None:
         """Build the trainer, model and datamodule, and hand the run plan to them."""
