@@ -162,12 +162,23 @@ def run_cli(args: list[str] | None) -> None:
         sys.exit(128 + preemption.stopped_by)
 
 
+USER_ERRORS = (UserError, MisconfigurationException, ReplicaDivergenceError)  # what a user can fix: one line
+# what gloo says on a rank whose peer's process ended mid-collective (the peer's sockets closed with it)
+LOST_PEER = re.compile(r"Connection (closed|reset) by peer")
+
+
 def run_reporting_errors(command: Callable[[Any], object], args: Any) -> None:
-    """Run a command; a user's mistake ends it with one line on stderr instead of a traceback."""
+    """Run a command; a user's mistake, or a peer rank that died, ends it with one line on stderr instead of a
+    traceback."""
     try:
         command(args)
-    except (UserError, MisconfigurationException, ReplicaDivergenceError) as error:
-        if os.environ.get("COHORT_TRACEBACK"):
+    except Exception as error:
+        lost_peer = isinstance(error, RuntimeError) and LOST_PEER.search(str(error)) is not None
+        if os.environ.get("COHORT_TRACEBACK") or not (isinstance(error, USER_ERRORS) or lost_peer):
             raise
         message = re.sub(r"\s+", " ", str(error)).strip()  # one line, also for Lightning's wrapped messages
+        if lost_peer:
+            message = ("another process of this run ended in the middle of a step (killed, out of memory, or its node "
+                       "failed), so this one stopped too: that process's own output or the scheduler's log says why; "
+                       "resume with the same command and --ckpt_path last")
         sys.exit(f"cohort: error: {message} (COHORT_TRACEBACK=1 shows where)")

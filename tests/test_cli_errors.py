@@ -16,8 +16,8 @@ import torch
 
 from datamodules.prepare import prepare_corpus
 from tests.helpers import (
-    ONE_STEP, QUIET, assert_one_line_error, batch_sizes, fit, last_checkpoint, one_line_error, run_folders,
-    run_in_process,
+    DDP_2, ONE_STEP, QUIET, assert_one_line_error, batch_sizes, fit, last_checkpoint, one_line_error, run_cohort,
+    run_folders, run_in_process,
 )
 
 
@@ -220,3 +220,17 @@ def test_a_command_run_in_this_process_leaves_the_process_as_it_was(fit_args: li
     run_in_process(fit_args, monkeypatch)
     assert last_checkpoint(tmp_path).exists()  # it did train
     assert process_state() == before
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_mid_run_stops_the_other_with_one_line(debug_run_args: list[str], tmp_path: Path) -> None:
+    """Rank 1 of 2 SIGKILLed in step 3 (as the OOM killer would): rank 0's collective fails at once, and it says so
+    in one line that points at the dead process's own log and at resuming, instead of gloo's traceback."""
+    result = run_cohort(["fit", *debug_run_args, *QUIET, *DDP_2, "--trainer.max_steps", "50", *batch_sizes(4, 2),
+                         "--trainer.callbacks+=tests.helpers.KillRank", "--trainer.callbacks.rank=1",
+                         "--trainer.callbacks.step=3"], cwd=tmp_path, timeout=180)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("cohort: error: another process of this run ended in the middle of a step"), last_line
+    assert "--ckpt_path last" in last_line
