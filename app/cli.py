@@ -47,6 +47,8 @@ class CohortCLI(LightningCLI):
                     "init_args": {"save_dir": ".", "name": "lightning_logs"},
                 },
                 "use_distributed_sampler": False,  # the datamodule shards by rank itself
+                # Lightning's table lists the metric modules and "Total Flops 0"; before_fit prints one line instead
+                "enable_model_summary": False,
                 "callbacks": [PerRankSeed(), PrintPredictions()],
             },
             save_config_kwargs={"overwrite": True},  # a resumed run rewrites its own config.yaml
@@ -138,6 +140,7 @@ class CohortCLI(LightningCLI):
             self.trainer.val_check_interval = val_every_n_steps * plan.accumulation  # Lightning counts micro-batches
 
     def before_fit(self) -> None:
+        rank_zero_info(f"model: {self.model.describe()}")
         rank_zero_info(f"batch plan: {self.run_plan.describe()}")
         if isinstance(self.trainer.accelerator, CUDAAccelerator):
             self.trainer.callbacks.append(NcclFlightRecorder(Path(self.trainer.log_dir)))

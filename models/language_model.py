@@ -98,6 +98,16 @@ class GPTLanguageModel(L.LightningModule):
             lr *= self.hparams.global_batch_size / self.hparams.reference_batch_size
         return lr
 
+    def describe(self) -> str:
+        """One line on the model: its size, shape and parameter count (counted on the meta device, so before and
+        without building it)."""
+        with torch.device("meta"):
+            parameters = GPT(self.config).num_parameters()
+        c = self.config
+        return (f"GPT '{self.hparams.model_name}', {c.n_layer} layers x {c.n_head} heads, width {c.n_embd}, context "
+                f"{c.block_size}, vocabulary {c.vocab_size}: {parameters:,} parameters ({parameters * 4 / 2**20:,.1f} "
+                "MiB in float32)")
+
     def configure_model(self) -> None:
         """Build the GPT on the meta device and let ``build_gpt`` parallelise, materialise and initialise it on
         this rank's device: under ModelParallelStrategy over its (data_parallel, tensor_parallel) mesh. With no

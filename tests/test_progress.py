@@ -3,6 +3,7 @@ print at accumulation 1 and 4 on 1 and 2 processes."""
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -175,3 +176,25 @@ def test_a_progress_bar_the_user_chose_is_kept(debug_run_args: list[str], tmp_pa
                     "--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar"], monkeypatch)
     out = capsys.readouterr().out
     assert "Epoch 0: 100%" in out and "step 1/1" not in out
+
+
+def test_the_console_says_what_the_model_is_in_one_line_without_lightnings_table(
+        debug_run_args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default: no table of metric modules and zero FLOPs, no advertisement, no CUDA row on a CPU; one line
+    with the model's size instead. Lightning logs through its own handler, bound to the stream it found at import,
+    so its records are collected here from its logger."""
+    records: list[logging.LogRecord] = []
+    collector = logging.Handler()
+    collector.emit = records.append  # type: ignore[method-assign]
+    lightning_logger = logging.getLogger("lightning.pytorch")
+    lightning_logger.addHandler(collector)
+    monkeypatch.chdir(tmp_path)
+    try:
+        run_in_process(["fit", *debug_run_args, *ONE_STEP, *batch_sizes(2, 2)], monkeypatch)
+    finally:
+        lightning_logger.removeHandler(collector)
+    console = capsys.readouterr().out + "\n".join(record.getMessage() for record in records)
+    assert "model: GPT 'debug', 2 layers x 2 heads, width 32, context 64, vocabulary 256: " in console, console
+    for noise in ("Total Flops", "MeanMetric", "Tip", "CUDA"):
+        assert noise not in console, noise
