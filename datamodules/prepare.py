@@ -32,7 +32,7 @@ import numpy as np
 
 from core.errors import UserError
 from datamodules.encoding import BYTES, Encoding, FileEncoder, encoded_files, load_tokenizer_file
-from datamodules.token_files import META_FILE, token_dtype
+from datamodules.token_files import TOKEN_META_FILE, token_dtype
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".csv", ".html", ".xml", ".yaml", ".yml", ".tex"}
 DEFAULT_CORPUS_DIR = Path("data") / "python_stdlib"
@@ -181,12 +181,12 @@ def prepare_corpus(files: Sequence[Path], out_dir: Path, *, encoding: Encoding =
         if created and not any(out_dir.iterdir()):
             out_dir.rmdir()
         raise
-    (out_dir / META_FILE).unlink(missing_ok=True)  # a crash between the renames then leaves no stale meta.json
+    (out_dir / TOKEN_META_FILE).unlink(missing_ok=True)  # a crash between the renames then leaves no stale meta.json
     train.commit()
     val.commit()
     meta = {**encoding.meta(), "dtype": dtype.name, "train_tokens": train.num_tokens, "val_tokens": val.num_tokens,
             "files": len(files), "split": "whole files" if by_file else "last tokens", "val_fraction": val_fraction}
-    write_text_atomically(json.dumps(meta, indent=2) + "\n", out_dir / META_FILE)
+    write_text_atomically(json.dumps(meta, indent=2) + "\n", out_dir / TOKEN_META_FILE)
     return train.num_tokens, val.num_tokens
 
 

@@ -21,7 +21,7 @@ from core.errors import UserError
 from core.tokens import IGNORE_INDEX
 
 PADDING_INDEX = -1  # a sample index that stands for "no sample" (see EvenShardSampler)
-META_FILE = "meta.json"
+TOKEN_META_FILE = "meta.json"  # beside train.bin and val.bin (a sharded checkpoint's meta.pt is another thing)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -50,7 +50,7 @@ def check_token_file(path: Path, vocab_size: int) -> int:
 def check_token_folder(data_dir: Path, vocab_size: int) -> None:
     """A UserError if train.bin or val.bin cannot be read as ``vocab_size`` tokens, or if the folder's meta.json
     records another vocabulary, or token counts that the files no longer hold."""
-    meta_path = data_dir / META_FILE
+    meta_path = data_dir / TOKEN_META_FILE
     meta = None
     if meta_path.is_file():
         try:
@@ -63,15 +63,15 @@ def check_token_folder(data_dir: Path, vocab_size: int) -> None:
         if meta.get("vocab_size") != vocab_size:
             raise UserError(
                 f"{data_dir} holds tokens of {meta.get('tokenizer')} with vocabulary size {meta.get('vocab_size')} "
-                f"(its {META_FILE}), not data.vocab_size={vocab_size}: set data.vocab_size {meta.get('vocab_size')}"
+                f"(its {TOKEN_META_FILE}), not data.vocab_size={vocab_size}: set data.vocab_size {meta.get('vocab_size')}"
             )
     for split in ("train", "val"):
         num_tokens = check_token_file(data_dir / f"{split}.bin", vocab_size)
         if meta is not None and meta.get(f"{split}_tokens") != num_tokens:
             raise UserError(
-                f"{data_dir}/{split}.bin holds {num_tokens} tokens, but its {META_FILE} says "
+                f"{data_dir}/{split}.bin holds {num_tokens} tokens, but its {TOKEN_META_FILE} says "
                 f"{meta.get(f'{split}_tokens')}: the files changed after `cohort prepare` wrote them; prepare the "
-                f"folder again, or delete {META_FILE}"
+                f"folder again, or delete {TOKEN_META_FILE}"
             )
 
 
