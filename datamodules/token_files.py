@@ -63,7 +63,8 @@ def check_token_folder(data_dir: Path, vocab_size: int) -> None:
         if meta.get("vocab_size") != vocab_size:
             raise UserError(
                 f"{data_dir} holds tokens of {meta.get('tokenizer')} with vocabulary size {meta.get('vocab_size')} "
-                f"(its {TOKEN_META_FILE}), not data.vocab_size={vocab_size}: set data.vocab_size {meta.get('vocab_size')}"
+                f"(its {TOKEN_META_FILE}), not data.vocab_size={vocab_size}: set data.vocab_size "
+                f"{meta.get('vocab_size')}"
             )
     for split in ("train", "val"):
         num_tokens = check_token_file(data_dir / f"{split}.bin", vocab_size)
