@@ -10,6 +10,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
 
 from app.preemption import stopped_by_signal
 from core.run_plan import run_plan_of
@@ -43,6 +44,10 @@ class PrintGeneratedText(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         datamodule = trainer.datamodule
         if datamodule.vocab_size != 256 or not isinstance(pl_module, GPTLanguageModel) or stopped_by_signal(trainer):
+            return
+        if pl_module.pipeline is not None:  # each rank holds one stage; sampling runs the whole model token by token
+            rank_zero_info("\n--- no sample: generating needs the whole model; cohort consolidate the last checkpoint "
+                           "and run cohort predict on one process ---")
             return
         prompt = torch.tensor([list(datamodule.prompts[0].encode())])
         completion = pl_module.generate_text(prompt)

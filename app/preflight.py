@@ -60,6 +60,9 @@ class Preflight:
 
     def check_run_plan(self) -> str:
         self.plan = check_config(self.config)
+        if self.subcommand == "predict" and self.plan.pipeline_parallel_size > 1:
+            raise UserError("predict samples token by token through the whole model, which a pipeline splits: run "
+                            "cohort consolidate on the checkpoint, then predict on one process (configs/trainer/cpu.yaml)")
         return self.plan.describe()
 
     def check_resume(self) -> str:
@@ -98,14 +101,18 @@ def check_config(config: Namespace) -> RunPlan:
         raise UserError(f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches} is derived here: set "
                         "data.global_batch_size and data.micro_batch_size instead and leave it at 1")
     check_strategy(trainer.strategy, accelerator_name(trainer))
-    data_parallel, tensor_parallel = parallel_sizes(trainer)
+    pipeline, data_parallel, tensor_parallel = parallel_sizes(trainer)
     plan = RunPlan(
         devices_per_node=devices_per_node(trainer), num_nodes=int(trainer.num_nodes),
         data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel,
         global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch_size,
         sequence_length=data.sequence_length, precision=precision_name(trainer.precision), seed=config.seed_everything,
+        pipeline_parallel_size=pipeline, **pipeline_options(trainer),
     )
     model_config = gpt_config(config.model.model_name, vocab_size=data.vocab_size)
+    if pipeline > model_config.n_layer:
+        raise UserError(f"pipeline_parallel_size={pipeline} is more stages than model '{config.model.model_name}' has "
+                        f"blocks ({model_config.n_layer}): use at most {model_config.n_layer} stages")
     try:
         check_tensor_parallel_size(model_config.n_head, tensor_parallel)
     except ValueError as error:
@@ -146,16 +153,31 @@ def devices_per_node(trainer: Namespace) -> int:
     return int(devices)
 
 
-def parallel_sizes(trainer: Namespace) -> tuple[int, int]:
-    """(data-parallel size, tensor-parallel size) as the config asks. ModelParallelStrategy's "auto" is data
-    parallel over the nodes and tensor parallel within one; every other strategy is data parallel only."""
-    if not strategy_name(trainer.strategy).endswith("ModelParallelStrategy"):
-        return devices_per_node(trainer) * int(trainer.num_nodes), 1
-    sizes = trainer.strategy.init_args
+def parallel_sizes(trainer: Namespace) -> tuple[int, int, int]:
+    """(pipeline stages, data-parallel size, tensor-parallel size) as the config asks. ModelParallelStrategy's
+    "auto" is data parallel over the nodes and tensor parallel within one; PipelineParallelStrategy's sizes are
+    numbers; every other strategy is data parallel only."""
+    name = strategy_name(trainer.strategy)
+    sizes = getattr(trainer.strategy, "init_args", Namespace())
+    if name.endswith("PipelineParallelStrategy"):
+        return (int(getattr(sizes, "pipeline_parallel_size", 2)), int(getattr(sizes, "data_parallel_size", 1)),
+                int(getattr(sizes, "tensor_parallel_size", 1)))
+    if not name.endswith("ModelParallelStrategy"):
+        return 1, devices_per_node(trainer) * int(trainer.num_nodes), 1
     data_parallel = getattr(sizes, "data_parallel_size", "auto")
     tensor_parallel = getattr(sizes, "tensor_parallel_size", "auto")
-    return (int(trainer.num_nodes) if data_parallel == "auto" else int(data_parallel),
+    return (1, int(trainer.num_nodes) if data_parallel == "auto" else int(data_parallel),
             devices_per_node(trainer) if tensor_parallel == "auto" else int(tensor_parallel))
+
+
+def pipeline_options(trainer: Namespace) -> dict[str, str | int]:
+    """The schedule and the pipeline micro-batches PipelineParallelStrategy is given (its defaults otherwise)."""
+    if not strategy_name(trainer.strategy).endswith("PipelineParallelStrategy"):
+        return {}
+    options = trainer.strategy.init_args
+    stages = int(getattr(options, "pipeline_parallel_size", 2))
+    return {"pipeline_schedule": str(getattr(options, "pipeline_schedule", "1F1B")),
+            "pipeline_microbatches": int(getattr(options, "pipeline_microbatches", None) or stages)}
 
 
 def check_strategy(strategy: str | Namespace | None, accelerator: str) -> None:

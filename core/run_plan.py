@@ -1,12 +1,14 @@
 """The run plan: the shape of one run, resolved once from the config and the launcher (``app/preflight.py``) and
 handed to the data, the model, the callbacks and ``cohort doctor``, so that none of them works it out again.
 
-    world size   = devices per node x nodes = data-parallel x tensor-parallel x pipeline stages
+    world size   = devices per node x nodes = pipeline stages x data-parallel x tensor-parallel
     global batch = micro batch x data-parallel size x accumulation
+    micro batch  = pipeline micro-batch x pipeline_microbatches (with pipeline stages only)
 
-Ranks sit on ModelParallelStrategy's device mesh, row-major over (data_parallel, tensor_parallel): rank r is
-data-parallel rank r // tensor_parallel_size and tensor-parallel rank r % tensor_parallel_size. Ranks of one
-tensor-parallel group read the same samples; under DDP every rank is its own data-parallel rank.
+Ranks sit on the strategy's device mesh, row-major over (pipeline_parallel, data_parallel, tensor_parallel), the
+order of torchtitan and of ModelParallelStrategy's (data_parallel, tensor_parallel) mesh when there is no
+pipeline. Ranks of one tensor-parallel group, and the stages of one pipeline, read the same samples; under DDP
+every rank is its own data-parallel rank.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.errors import UserError, check_ranges
+
+PIPELINE_SCHEDULES = ("GPipe", "1F1B")  # models/pipeline.py's SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -27,7 +31,9 @@ class RunPlan:
     sequence_length: int
     precision: str  # Lightning's name, e.g. "bf16-mixed"
     seed: int  # seed_everything: data order, initial weights and dropout all follow from it
-    pipeline_parallel_size: int = 1  # pipeline stages; 1 until pipeline parallelism arrives
+    pipeline_parallel_size: int = 1  # pipeline stages, one per rank of a pipeline
+    pipeline_schedule: str = "1F1B"  # the order of the pipeline micro-batches' forwards and backwards
+    pipeline_microbatches: int = 1  # pipeline micro-batches each micro batch is cut into
 
     def __post_init__(self) -> None:
         check_ranges("trainer", {"devices": (self.devices_per_node >= 1, "at least 1 per node"),
@@ -38,9 +44,11 @@ class RunPlan:
                      {"global_batch_size": self.global_batch_size, "micro_batch_size": self.micro_batch_size})
         sizes = self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
         if sizes != self.world_size:
+            pipeline = (f"pipeline_parallel_size={self.pipeline_parallel_size} x "
+                        if self.pipeline_parallel_size > 1 else "")
             raise UserError(
-                f"data_parallel_size={self.data_parallel_size} x tensor_parallel_size={self.tensor_parallel_size} "
-                f"must equal the world size {self.world_size} ({self.devices_per_node} devices x {self.num_nodes} "
+                f"{pipeline}data_parallel_size={self.data_parallel_size} x tensor_parallel_size="
+                f"{self.tensor_parallel_size} must equal the world size {self.world_size} ({self.devices_per_node} devices x {self.num_nodes} "
                 "nodes): change the sizes in trainer.strategy.init_args or the devices"
             )
         per_pass = self.micro_batch_size * self.data_parallel_size
@@ -54,6 +62,25 @@ class RunPlan:
                 f"{self.micro_batch_size} x {ranks} = {per_pass}: choose a global batch that is a multiple of "
                 f"{per_pass}, or another micro batch"
             )
+        if self.pipeline_parallel_size > 1:
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        field = "trainer.strategy.init_args"
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise UserError(f"{field}.pipeline_schedule={self.pipeline_schedule!r} is not a schedule: use one of "
+                            f"{', '.join(PIPELINE_SCHEDULES)}")
+        if self.pipeline_microbatches < self.pipeline_parallel_size:
+            raise UserError(f"{field}.pipeline_microbatches={self.pipeline_microbatches} is fewer than the "
+                            f"{self.pipeline_parallel_size} pipeline stages, so some stages would always wait: use at "
+                            f"least {self.pipeline_parallel_size} (more shrink the bubble)")
+        if self.micro_batch_size % self.pipeline_microbatches != 0:
+            raise UserError(f"{field}.pipeline_microbatches={self.pipeline_microbatches} does not divide "
+                            f"data.micro_batch_size={self.micro_batch_size}: each micro batch is cut into that many "
+                            "equal pipeline micro-batches; choose a divisor, or another micro batch")
+        if self.precision == "16-mixed":
+            raise UserError("trainer.precision=16-mixed: the pipeline runs its own backward, which fp16's loss "
+                            "scaler cannot scale; use bf16-mixed or 32-true with pipeline stages")
 
     @property
     def world_size(self) -> int:
@@ -70,7 +97,11 @@ class RunPlan:
 
     def data_parallel_rank(self, global_rank: int) -> int:
         """Which share of each global batch ``global_rank`` reads."""
-        return global_rank // self.tensor_parallel_size
+        return global_rank // self.tensor_parallel_size % self.data_parallel_size
+
+    def pipeline_rank(self, global_rank: int) -> int:
+        """Which pipeline stage ``global_rank`` runs."""
+        return global_rank // (self.data_parallel_size * self.tensor_parallel_size)
 
     def tensor_parallel_rank(self, global_rank: int) -> int:
         return global_rank % self.tensor_parallel_size
@@ -81,9 +112,13 @@ class RunPlan:
         return (batch_index + 1) % self.accumulation == 0
 
     def describe(self) -> str:
+        pipeline = ""
+        if self.pipeline_parallel_size > 1:
+            pipeline = (f"; {self.pipeline_parallel_size} pipeline stages ({self.pipeline_schedule}), each micro batch "
+                        f"cut into {self.pipeline_microbatches} pipeline micro-batches")
         return (f"global batch {self.global_batch_size} = micro batch {self.micro_batch_size} x "
                 f"{self.data_parallel_size} data-parallel ranks x {self.accumulation} accumulation steps; "
-                f"{self.tokens_per_step:,} tokens per optimizer step")
+                f"{self.tokens_per_step:,} tokens per optimizer step{pipeline}")
 
 
 def run_plan_of(holder: object) -> RunPlan:

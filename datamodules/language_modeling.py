@@ -171,6 +171,13 @@ class LanguageModelingDataModule(L.LightningDataModule):
                             "of val.bin: give micro-batches per rank (an int) or set data.val_samples")
         if isinstance(limit_batches, int):
             count = min(count, limit_batches * self.micro_batch_size * data_parallel_size)
+        if run_plan_of(self).pipeline_parallel_size > 1:
+            # a pipeline's stages exchange tensors of the shapes they first agreed on: whole micro-batches only
+            count -= count % (self.micro_batch_size * data_parallel_size)
+            if count == 0:
+                raise UserError(f"validation reads fewer windows than one micro batch on each of the "
+                                f"{data_parallel_size} data-parallel ranks, which a pipeline needs: raise "
+                                "data.val_samples or trainer.limit_val_batches")
         return count
 
     def predict_dataloader(self) -> DataLoader:

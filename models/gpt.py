@@ -7,7 +7,9 @@ the fastest kernel for the device is picked. Nothing here knows about processes,
 is built (usually on the meta device), then ``models/parallelize.py`` shards and initialises it.
 
 Shapes are read from the tensors, not the config, wherever tensor parallelism shards them: a rank then holds
-n_head / tp heads and 4 * n_embd / tp MLP columns.
+n_head / tp heads and 4 * n_embd / tp MLP columns. A pipeline stage is this same model with the parts that live on
+other stages removed (set to None, blocks deleted from ``blocks``); ``forward`` runs whatever is present, so a
+stage's parameter names are the unsplit model's.
 """
 
 from __future__ import annotations
@@ -108,12 +110,14 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.wte: nn.Embedding | None = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe: nn.Embedding | None = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # a dict keyed "0", "1", ... rather than a list: the names are the same ("blocks.3.attn...") and a pipeline
+        # stage can drop the blocks other stages hold without renumbering its own
+        self.blocks = nn.ModuleDict({str(index): Block(config) for index in range(config.n_layer)})
+        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head: nn.Linear | None = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one matrix, counted once
 
     def initial_std(self, name: str) -> float | None:
@@ -126,15 +130,19 @@ class GPT(nn.Module):
             return 0.02 / math.sqrt(2 * self.config.n_layer)
         return 0.02
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) to next-token logits (B, T, vocab_size)."""
-        B, T = idx.shape
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) to next-token logits (B, T, vocab_size). A pipeline stage without the position
+        embedding takes the previous stage's hidden states (B, T, C) instead, and one without the final norm
+        returns its own."""
+        T = x.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds the model's block_size {self.config.block_size}")
-        positions = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(positions))  # (B, T, C)
-        for block in self.blocks:
+        if self.wpe is not None:  # the first stage: ids to embeddings
+            x = self.drop(self.wte(x) + self.wpe(torch.arange(T, device=x.device)))  # (B, T, C)
+        for block in self.blocks.values():
             x = block(x)
+        if self.ln_f is None:  # not the last stage
+            return x
         return self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
 
     def num_parameters(self) -> int:

@@ -21,6 +21,7 @@ from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
 from models.gpt import GPT, gpt_config
 from models.parallelize import build_gpt, clip_grad_norm_
+from models.pipeline import Pipeline, pipeline_stage, theoretical_bubble
 
 # FSDP2's compute dtype for each mixed precision; the sharded float32 master weights stay float32
 FSDP_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -84,6 +85,7 @@ class GPTLanguageModel(L.LightningModule):
         }, locals())
         self.config = gpt_config(model_name, vocab_size=vocab_size, dropout=dropout)
         self.model: GPT | None = None  # built by configure_model, where the strategy's device mesh is known
+        self.pipeline: Pipeline | None = None  # this rank's stage and its schedule, with pipeline stages
         self.run_plan: RunPlan | None = None  # handed over by the CLI before training
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
@@ -110,15 +112,17 @@ class GPTLanguageModel(L.LightningModule):
 
     def configure_model(self) -> None:
         """Build the GPT on the meta device and let ``build_gpt`` parallelise, materialise and initialise it on
-        this rank's device: under ModelParallelStrategy over its (data_parallel, tensor_parallel) mesh. With no
-        Trainer (``load_from_checkpoint`` in a plain Python process calls this before loading the weights) it is
-        built whole on the CPU."""
+        this rank's device: under ModelParallelStrategy over its (data_parallel, tensor_parallel) mesh, under
+        PipelineParallelStrategy only this rank's stage. With no Trainer (``load_from_checkpoint`` in a plain Python
+        process calls this before loading the weights) it is built whole on the CPU."""
         if self.model is not None:  # Lightning calls this once per fit/validate/...; build once
             return
         trainer = self._trainer
         device = torch.device("cpu") if trainer is None else trainer.strategy.root_device
         if isinstance(trainer and trainer.strategy, FSDPStrategy):
             device = torch.device("cpu")  # FSDP (1) moves each unit to its GPU as it shards it
+        plan = run_plan_of(self) if trainer is not None else None
+        stage = pipeline_stage(self.config.n_layer, self.device_mesh) if plan and plan.pipeline_parallel_size > 1 else None
         self.model = build_gpt(
             self.config,
             device=device,
@@ -127,7 +131,11 @@ class GPTLanguageModel(L.LightningModule):
             activation_checkpointing=self.hparams.activation_checkpointing,
             compile=self.hparams.compile,
             param_dtype=FSDP_PARAM_DTYPES.get(str(trainer.precision)) if trainer is not None else None,
+            stage=stage,
         )
+        if stage is not None:
+            self.pipeline = Pipeline(self.model, stage, self.device_mesh, device, plan.pipeline_schedule,
+                                     plan.pipeline_microbatches)
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
@@ -143,21 +151,48 @@ class GPTLanguageModel(L.LightningModule):
         if gradient_clip_algorithm == "value":
             torch.nn.utils.clip_grad_value_(parameters, gradient_clip_val)
             return
-        self.log("train/grad_norm", clip_grad_norm_(self.trainer.model, parameters, gradient_clip_val))
+        pipeline = self.pipeline
+        norm = clip_grad_norm_(self.trainer.model, parameters, gradient_clip_val,
+                               pipeline_group=pipeline and pipeline.group,
+                               counted=pipeline and pipeline.counted_parameters(parameters))
+        self.log("train/grad_norm", norm)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
-        logits = self.model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        plan = run_plan_of(self)
+        if self.pipeline is not None:  # forward and backward of all stages, now; Lightning's backward is skipped
+            if batch_idx % plan.accumulation == 0:  # the step's first micro-batch (see optimizer_zero_grad)
+                self.optimizers().zero_grad()
+            loss = self.pipeline.train_step(inputs, targets, plan.accumulation)
+            if plan.ends_optimizer_step(batch_idx):
+                self.pipeline.finish_gradients()
+                # rank 0's (the first stage's) share of the step spent waiting on the other stages, and the schedule's
+                self.log("pipeline/bubble", self.pipeline.bubble())
+                self.log("pipeline/bubble_theory",
+                         theoretical_bubble(plan.pipeline_parallel_size, plan.pipeline_microbatches))
+        else:
+            logits = self.model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
         # once per optimizer step: a step's logged value is its last micro-batch's anyway, and each self.log
         # costs about a millisecond of Lightning bookkeeping
-        if run_plan_of(self).ends_optimizer_step(batch_idx):
+        if plan.ends_optimizer_step(batch_idx):
             self.log("train/loss", loss, prog_bar=True)
             self.log("lr", self.lr_schedulers().get_last_lr()[0])
         return loss
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Lightning's backward of the training step's loss; under a pipeline the schedule has run it already."""
+        if self.pipeline is None:
+            super().backward(loss, *args, **kwargs)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """Lightning zeroes the gradients between the step's first training_step and its backward, which would drop
+        the gradients a pipeline's training_step has already made: then training_step zeroes them itself."""
+        if self.pipeline is None:
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._update_mean_loss(self.val_loss, batch)
@@ -174,6 +209,9 @@ class GPTLanguageModel(L.LightningModule):
     def _update_mean_loss(self, metric: MeanMetric, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Token-weighted, so padding (IGNORE_INDEX) and uneven shards do not change the mean."""
         inputs, targets = batch
+        if self.pipeline is not None:
+            metric.update(*self.pipeline.eval_step(inputs, targets))
+            return
         logits = self.model(inputs)
         loss_sum = F.cross_entropy(
             logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"

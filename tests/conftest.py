@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from datamodules.prepare import prepare_corpus, stdlib_source_files
+from tests.helpers import COMPARABLE_RUN, fit
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +29,15 @@ def debug_run_args(byte_corpus: Path) -> list[str]:
         "--data.data_dir", str(byte_corpus),
         "--data.sequence_length", "64",
     ]
+
+
+@pytest.fixture(scope="session")
+def comparable_run_args(debug_run_args: list[str]) -> list[str]:
+    """debug_run_args with COMPARABLE_RUN: a short clipped run that every parallel layout should train alike."""
+    return [*debug_run_args, *COMPARABLE_RUN]
+
+
+@pytest.fixture(scope="session")
+def one_process_comparable_run(tmp_path_factory: pytest.TempPathFactory, comparable_run_args: list[str]) -> Path:
+    """The one-process run of comparable_run_args that the sharded and pipelined runs are compared with."""
+    return fit(tmp_path_factory.mktemp("one_process"), comparable_run_args)

@@ -178,6 +178,17 @@ def clipped_run(byte_corpus: Path, *preset: str) -> list[str]:
     return [*QUICKSTART, *preset, *shrunk(byte_corpus, CLIPPED_STEPS), "--trainer.gradient_clip_val", str(CLIP)]
 
 
+def assert_sharded_resume_after_sigkill_is_bitwise_exact(tmp_path: Path, run: list[str]) -> None:
+    """``run`` (6 steps, a sharded checkpoint every 3) straight, and SIGKILLed mid-step 4 then resumed with
+    ``--ckpt_path last``: bitwise the same final weights."""
+    straight = fit(tmp_path / "straight", run)
+    interrupted = tmp_path / "interrupted"
+    fit_killed_mid_accumulation(interrupted, run)
+    assert torch.load(last_checkpoint(interrupted) / "meta.pt", weights_only=False)["global_step"] == 3
+    fit(interrupted, run, "--ckpt_path", "last")
+    assert_weights_equal(last_checkpoint_weights(straight), last_checkpoint_weights(interrupted))
+
+
 def validate(run_dir: Path, args: list[str], *extra: str) -> float:
     """``cohort validate`` in ``run_dir``; returns the validation loss it printed."""
     result = run_cohort(["validate", *args, *QUIET, *extra], cwd=run_dir)

@@ -49,7 +49,7 @@ def test_residual_projections_get_the_scaled_init() -> None:
     config = gpt_config("small", n_embd=256)
     model = build_gpt(config, torch.device("cpu"), seed=0)
     expected = 0.02 / math.sqrt(2 * config.n_layer)
-    for block in model.blocks:
+    for block in model.blocks.values():
         assert block.attn.proj.weight.std().item() == pytest.approx(expected, rel=0.05)
         assert block.mlp.proj.weight.std().item() == pytest.approx(expected, rel=0.05)
         assert block.mlp.fc.weight.std().item() == pytest.approx(0.02, rel=0.05)

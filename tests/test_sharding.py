@@ -7,12 +7,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.helpers import (
-    COMPARABLE_RUN, MODEL_PARALLEL, QUIET, assert_comparable_runs_agree, assert_one_line_error, assert_weights_close,
-    assert_weights_equal, fit, fit_killed_mid_accumulation, last_checkpoint, last_checkpoint_weights, run_cohort,
-    validate,
+    MODEL_PARALLEL, QUIET, assert_comparable_runs_agree, assert_one_line_error,
+    assert_sharded_resume_after_sigkill_is_bitwise_exact, assert_weights_close, fit, last_checkpoint,
+    last_checkpoint_weights, run_cohort, validate,
 )
 
 pytestmark = pytest.mark.slow
@@ -24,77 +23,62 @@ SHARDED_ON_ONE_PROCESS = [*MODEL_PARALLEL, "--trainer.devices", "1",
 
 
 @pytest.fixture(scope="module")
-def run_args(debug_run_args: list[str]) -> list[str]:
-    return [*debug_run_args, *COMPARABLE_RUN]
+def fsdp2_run(tmp_path_factory: pytest.TempPathFactory, comparable_run_args: list[str]) -> Path:
+    return fit(tmp_path_factory.mktemp("fsdp2"), comparable_run_args, *MODEL_PARALLEL)
 
 
-@pytest.fixture(scope="module")
-def one_process_run(tmp_path_factory: pytest.TempPathFactory, run_args: list[str]) -> Path:
-    return fit(tmp_path_factory.mktemp("one_process"), run_args)
-
-
-@pytest.fixture(scope="module")
-def fsdp2_run(tmp_path_factory: pytest.TempPathFactory, run_args: list[str]) -> Path:
-    return fit(tmp_path_factory.mktemp("fsdp2"), run_args, *MODEL_PARALLEL)
-
-
-def test_fsdp2_trains_as_one_process_does(one_process_run: Path, fsdp2_run: Path) -> None:
+def test_fsdp2_trains_as_one_process_does(one_process_comparable_run: Path, fsdp2_run: Path) -> None:
     assert last_checkpoint(fsdp2_run).is_dir()  # sharded: one file per rank
-    assert_comparable_runs_agree(one_process_run, fsdp2_run)
+    assert_comparable_runs_agree(one_process_comparable_run, fsdp2_run)
 
 
 def test_tensor_parallel_with_activation_checkpointing_trains_as_one_process_does(
-    tmp_path: Path, run_args: list[str], one_process_run: Path
+    tmp_path: Path, comparable_run_args: list[str], one_process_comparable_run: Path
 ) -> None:
-    run = fit(tmp_path, run_args, *TENSOR_PARALLEL, "--model.activation_checkpointing", "true")
-    assert_comparable_runs_agree(one_process_run, run)
+    run = fit(tmp_path, comparable_run_args, *TENSOR_PARALLEL, "--model.activation_checkpointing", "true")
+    assert_comparable_runs_agree(one_process_comparable_run, run)
 
 
-def test_sharded_resume_after_sigkill_is_bitwise_exact(tmp_path: Path, run_args: list[str]) -> None:
-    run = [*run_args, *MODEL_PARALLEL, "--trainer.max_steps", "6", "--checkpoint.every_n_train_steps", "3",
+def test_sharded_resume_after_sigkill_is_bitwise_exact(tmp_path: Path, comparable_run_args: list[str]) -> None:
+    run = [*comparable_run_args, *MODEL_PARALLEL, "--trainer.max_steps", "6", "--checkpoint.every_n_train_steps", "3",
            "--model.dropout", "0.1", "--data.micro_batch_size", "2"]  # 2 micro-batches per step per rank
-    straight = fit(tmp_path / "straight", run)
-    interrupted = tmp_path / "interrupted"
-    fit_killed_mid_accumulation(interrupted, run)
-    assert torch.load(last_checkpoint(interrupted) / "meta.pt", weights_only=False)["global_step"] == 3
-    fit(interrupted, run, "--ckpt_path", "last")
-    assert_weights_equal(last_checkpoint_weights(straight), last_checkpoint_weights(interrupted))
+    assert_sharded_resume_after_sigkill_is_bitwise_exact(tmp_path, run)
 
 
-def test_consolidated_checkpoint_validates_alike_in_one_process(fsdp2_run: Path, run_args: list[str]) -> None:
+def test_consolidated_checkpoint_validates_alike_in_one_process(fsdp2_run: Path, comparable_run_args: list[str]) -> None:
     consolidated = fsdp2_run / "consolidated.ckpt"
     result = run_cohort(["consolidate", str(last_checkpoint(fsdp2_run)), str(consolidated)], cwd=fsdp2_run)
     assert result.returncode == 0 and "at step 4" in result.stdout, result.stderr[-3000:]
-    sharded_loss = validate(fsdp2_run, run_args, *MODEL_PARALLEL, "--ckpt_path", str(last_checkpoint(fsdp2_run)))
-    single_loss = validate(fsdp2_run, run_args, "--ckpt_path", str(consolidated))
+    sharded_loss = validate(fsdp2_run, comparable_run_args, *MODEL_PARALLEL, "--ckpt_path", str(last_checkpoint(fsdp2_run)))
+    single_loss = validate(fsdp2_run, comparable_run_args, "--ckpt_path", str(consolidated))
     assert single_loss == pytest.approx(sharded_loss, rel=1e-6)
     again = run_cohort(["consolidate", str(last_checkpoint(fsdp2_run)), str(consolidated)], cwd=fsdp2_run)
     assert again.returncode != 0 and "already exists" in again.stderr.splitlines()[-1]
 
 
-def test_single_file_checkpoint_resumes_sharded(tmp_path: Path, run_args: list[str], one_process_run: Path) -> None:
+def test_single_file_checkpoint_resumes_sharded(tmp_path: Path, comparable_run_args: list[str], one_process_comparable_run: Path) -> None:
     """Weights and the optimizer's moments go from a one-process file into FSDP2 shards: the next steps match
     the one-process run resumed from the same file."""
     resumed = {}
     for name, strategy in (("one_process", []), ("fsdp2", MODEL_PARALLEL)):
-        resumed[name] = fit(tmp_path / name, run_args, *strategy, "--trainer.max_steps", "6",
-                            "--ckpt_path", str(last_checkpoint(one_process_run)))
+        resumed[name] = fit(tmp_path / name, comparable_run_args, *strategy, "--trainer.max_steps", "6",
+                            "--ckpt_path", str(last_checkpoint(one_process_comparable_run)))
     assert_weights_close(last_checkpoint_weights(resumed["one_process"]), last_checkpoint_weights(resumed["fsdp2"]),
                          rtol=1e-4)
 
 
-def test_sharded_checkpoint_resumes_on_another_world_size(tmp_path: Path, run_args: list[str], fsdp2_run: Path) -> None:
+def test_sharded_checkpoint_resumes_on_another_world_size(tmp_path: Path, comparable_run_args: list[str], fsdp2_run: Path) -> None:
     """Written by 2 ranks, resumed by 2 and by 1 (torch.distributed.checkpoint reshards on load)."""
     resumed = {}
     for name, strategy in (("two_ranks", MODEL_PARALLEL), ("one_rank", SHARDED_ON_ONE_PROCESS)):
         run_dir = tmp_path / name
         shutil.copytree(fsdp2_run / "lightning_logs", run_dir / "lightning_logs")
-        resumed[name] = fit(run_dir, run_args, *strategy, "--trainer.max_steps", "6", "--ckpt_path", "last")
+        resumed[name] = fit(run_dir, comparable_run_args, *strategy, "--trainer.max_steps", "6", "--ckpt_path", "last")
     assert_weights_close(last_checkpoint_weights(resumed["two_ranks"]), last_checkpoint_weights(resumed["one_rank"]),
                          rtol=1e-4)
 
 
-def test_sharding_mistakes_get_one_line(tmp_path: Path, run_args: list[str], fsdp2_run: Path) -> None:
+def test_sharding_mistakes_get_one_line(tmp_path: Path, comparable_run_args: list[str], fsdp2_run: Path) -> None:
     cases = [
         (["--trainer.strategy", "fsdp"], "fsdp needs CUDA GPUs: on CPUs use configs/trainer/model_parallel_cpu.yaml"),
         ([*TENSOR_PARALLEL, "--trainer.devices", "3", "--trainer.strategy.init_args.tensor_parallel_size", "3"],
@@ -105,4 +89,4 @@ def test_sharding_mistakes_get_one_line(tmp_path: Path, run_args: list[str], fsd
          "was trained with model.model_name='debug'"),
     ]
     for extra, expected in cases:
-        assert_one_line_error(["fit", *run_args, *QUIET, *extra], tmp_path, expected)  # and no lightning_logs
+        assert_one_line_error(["fit", *comparable_run_args, *QUIET, *extra], tmp_path, expected)  # and no lightning_logs

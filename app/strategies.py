@@ -1,0 +1,75 @@
+"""Lightning has no pipeline-parallel strategy (Lightning-AI/pytorch-lightning#17180), so Cohort adds the one
+thing ModelParallelStrategy lacks for it: a third mesh dimension. Everything else (process groups, placement,
+FSDP2 and tensor parallelism over the inner dimensions, sharded checkpoints) is ModelParallelStrategy's; the
+stages and the schedule are built by the model (models/pipeline.py) from the run plan."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.constants import default_pg_timeout
+from torch.distributed.device_mesh import init_device_mesh
+
+from core.errors import UserError
+
+
+class PipelineParallelStrategy(ModelParallelStrategy):
+    """ModelParallelStrategy over a (pipeline_parallel, data_parallel, tensor_parallel) device mesh: consecutive
+    blocks of ranks run consecutive pipeline stages, and within a stage the ranks shard (FSDP2) and split layers
+    (tensor parallel) as under ModelParallelStrategy."""
+
+    def __init__(
+        self,
+        pipeline_parallel_size: int = 2,
+        data_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
+        pipeline_schedule: str = "1F1B",
+        pipeline_microbatches: int | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        """
+        Args:
+            pipeline_parallel_size: pipeline stages, each on its own group of ranks.
+            data_parallel_size: ranks that shard each stage's parameters (FSDP2) and split the batch.
+            tensor_parallel_size: ranks that split each layer of a stage.
+            pipeline_schedule: "1F1B" (one forward, one backward: fewer activations held) or "GPipe" (all
+                forwards, then all backwards).
+            pipeline_microbatches: pipeline micro-batches per micro batch; null means one per stage.
+            save_distributed_checkpoint, process_group_backend, timeout: as ModelParallelStrategy's.
+        """
+        if not save_distributed_checkpoint:
+            raise UserError("trainer.strategy.init_args.save_distributed_checkpoint=false would gather one stage's "
+                            "weights only: pipelined runs save sharded checkpoints (cohort consolidate makes one file)")
+        super().__init__(data_parallel_size, tensor_parallel_size, save_distributed_checkpoint,
+                         process_group_backend, timeout)
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.pipeline_schedule = pipeline_schedule
+        self.pipeline_microbatches = pipeline_microbatches or pipeline_parallel_size
+
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        sizes = (self.pipeline_parallel_size, self._data_parallel_size, self._tensor_parallel_size)
+        if sizes[0] * sizes[1] * sizes[2] != self.world_size:  # the pre-flight checks say so first, in config terms
+            raise UserError(f"pipeline x data x tensor parallel sizes {sizes} do not multiply to the world size "
+                            f"{self.world_size}")
+        self._device_mesh = init_device_mesh(self.root_device.type, sizes,
+                                             mesh_dim_names=("pipeline_parallel", "data_parallel", "tensor_parallel"))
+        self.lightning_module._device_mesh = self._device_mesh  # as ModelParallelStrategy: configure_model reads it
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer state keyed by parameter name, as ModelParallelStrategy's, but with each param group listing
+        the parameters of every stage. torch.distributed.checkpoint writes one copy of what every rank saves under
+        the same key, so a group listing only this stage's parameters would lose the others'; on load each stage
+        takes its own names from the union (and so do one process and FSDP2)."""
+        state = super().optimizer_state(optimizer)
+        stages: list[Any] = [None] * self.pipeline_parallel_size
+        dist.all_gather_object(stages, [group["params"] for group in state["param_groups"]],
+                               group=self.device_mesh["pipeline_parallel"].get_group())
+        for index, group in enumerate(state["param_groups"]):
+            group["params"] = list(dict.fromkeys(name for names in stages for name in names[index]))
+        return state

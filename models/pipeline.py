@@ -1,0 +1,150 @@
+"""Pipeline parallelism for the GPT with ``torch.distributed.pipelining``: this rank's stage, the schedule that
+runs every pipeline micro-batch's forward and backward through it, and the two things a pipeline adds to a
+training step, both over the pipeline ranks: the tied embedding's gradient summed between the first and the last
+stage, and the gradient norm summed over all stages before clipping.
+
+A stage is the GPT with the other stages' parts removed (``models.parallelize.keep_stage``), so parameter names,
+checkpoints and optimizer states are the unsplit model's. Nothing here knows about Lightning: the LightningModule
+calls ``Pipeline.train_step`` and ``Pipeline.eval_step`` with its micro-batch, which the schedule cuts into
+``n_microbatches`` pipeline micro-batches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
+
+from core.tokens import IGNORE_INDEX
+from models.gpt import GPT
+from models.parallelize import StageSpan, split_layers
+
+SCHEDULES: dict[str, type] = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
+
+
+def pipeline_stage(n_layer: int, mesh: DeviceMesh) -> StageSpan:
+    """This rank's stage: one per pipeline rank, in rank order."""
+    pipeline_mesh = mesh["pipeline_parallel"]
+    return split_layers(n_layer, pipeline_mesh.size())[pipeline_mesh.get_local_rank()]
+
+
+def theoretical_bubble(stages: int, n_microbatches: int) -> float:
+    """The idle share of a GPipe or 1F1B step: (p - 1) / (m + p - 1) for p stages and m micro-batches."""
+    return (stages - 1) / (n_microbatches + stages - 1)
+
+
+class TimedStage(PipelineStage):
+    """A PipelineStage that adds up the time it computes (forward and backward of its chunks), so that the time it
+    waits on its neighbours is the rest of the step: the measured pipeline bubble."""
+
+    busy_seconds = 0.0
+
+    def _timed(self, run: Callable[[], Any]) -> Any:
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)  # the host's clock sees only launches otherwise
+        start = time.perf_counter()
+        result = run()
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        self.busy_seconds += time.perf_counter() - start
+        return result
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(lambda: super(TimedStage, self).forward_one_chunk(*args, **kwargs))
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(lambda: super(TimedStage, self).backward_one_chunk(*args, **kwargs))
+
+
+class Pipeline:
+    """This rank's stage of ``model`` (already cut by ``build_gpt``) and the schedule over the mesh's
+    "pipeline_parallel" dimension."""
+
+    def __init__(self, model: GPT, stage: StageSpan, mesh: DeviceMesh, device: torch.device, schedule: str,
+                 n_microbatches: int) -> None:
+        self.model, self.span, self.n_microbatches = model, stage, n_microbatches
+        self.group = mesh["pipeline_parallel"].get_group()
+        self.tied_group = tied_embedding_group(mesh)
+        self.stage = TimedStage(model, stage.index, stage.num_stages, device, group=self.group)
+        # scale_grads=False: torch's scaling divides every gradient, also those accumulated over earlier
+        # micro-batches of the optimizer step; the loss below is scaled instead
+        self.schedule = SCHEDULES[schedule](self.stage, n_microbatches, loss_fn=self._loss, scale_grads=False)
+        self._loss_denominator = 1.0
+        self.step_seconds = 0.0
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+        return loss_sum / self._loss_denominator
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, accumulation: int) -> torch.Tensor:
+        """Forward and backward of the micro-batch (inputs, targets) through the whole pipeline; the gradients
+        are added to this stage's parameters' as if by ``(loss / accumulation).backward()`` on one process.
+        Returns the micro-batch's mean loss on every pipeline rank."""
+        tokens = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        self._loss_denominator = tokens.item() * accumulation  # each chunk adds its share of the mean
+        losses: list[torch.Tensor] = []
+        start = time.perf_counter()
+        self.schedule.step(inputs if self.span.first else None, target=targets if self.span.last else None,
+                           losses=losses, return_outputs=False)
+        self.step_seconds += time.perf_counter() - start
+        return self._shared_loss(losses, accumulation)
+
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean loss, token count) of the micro-batch, on every pipeline rank."""
+        tokens = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        self._loss_denominator = tokens.item()
+        losses: list[torch.Tensor] = []
+        self.schedule.eval(inputs if self.span.first else None, target=targets if self.span.last else None,
+                           losses=losses)
+        return self._shared_loss(losses, 1), tokens
+
+    def _shared_loss(self, losses: list[torch.Tensor], scale: int) -> torch.Tensor:
+        """The last stage's loss, summed from its chunks, on every pipeline rank: one all-reduce of one number."""
+        loss = torch.stack(losses).sum().detach() * scale if losses else torch.zeros((), device=self.stage.device)
+        dist.all_reduce(loss, group=self.group)
+        return loss
+
+    def finish_gradients(self) -> None:
+        """After the optimizer step's last backward: the first stage's embedding gradient and the last stage's
+        head gradient are one parameter's, so each gets their sum."""
+        if self.tied_group is None or self.model.wte is None:
+            return
+        grad = self.model.wte.weight.grad
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.tied_group)
+
+    def counted_parameters(self, parameters: list[nn.Parameter]) -> list[nn.Parameter]:
+        """``parameters`` without those another stage already counts (the tied embedding on the last stage)."""
+        if self.span.first or self.model.wte is None:
+            return parameters
+        return [param for param in parameters if param is not self.model.wte.weight]
+
+    def bubble(self) -> float:
+        """The share of the steps since the last call that this rank spent waiting rather than computing."""
+        measured = 1.0 - self.stage.busy_seconds / self.step_seconds if self.step_seconds else 0.0
+        self.stage.busy_seconds = self.step_seconds = 0.0
+        return measured
+
+
+def tied_embedding_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The first and the last pipeline rank at this rank's (data, tensor) coordinates, which both hold the tied
+    embedding; None without a pipeline. Every rank creates every pair's group, in the same order, as
+    ``new_group`` requires."""
+    ranks = mesh.mesh  # (pipeline, data, tensor) -> global rank
+    if ranks.size(0) == 1:
+        return None
+    mine = None
+    for pair in torch.stack([ranks[0].flatten(), ranks[-1].flatten()], dim=1).tolist():
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    return mine
