@@ -9,6 +9,7 @@ each in app/commands.py (``cohort --help`` prints them).
     torchrun --nproc_per_node=2 -m app comm                                 # collective bandwidth (app/comm.py)
     torchrun --nproc_per_node=2 -m app doctor -c ...                        # pre-flight checks (app/doctor.py)
     cohort consolidate lightning_logs/version_0/checkpoints/last.ckpt       # sharded folder -> one file
+    cohort export lightning_logs/version_0/checkpoints/last.ckpt --out hf    # -> a Hugging Face GPT-2 folder
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def main(args: list[str] | None = None) -> None:
         sys.exit(f"cohort: error: unknown command {command!r}: use one of {', '.join(COMMANDS)} "
                  "(cohort --help says what each does)")
     # imported only here, so that the overview and the error above come without loading torch and Lightning
-    from app import comm, consolidate, doctor
+    from app import comm, consolidate, doctor, export
     from app.cli import run_cli, run_reporting_errors
     from datamodules import prepare
 
@@ -40,6 +41,8 @@ def main(args: list[str] | None = None) -> None:
         return doctor.main(argv[1:])
     if command == "consolidate":
         return run_reporting_errors(consolidate.main, argv[1:])
+    if command == "export":
+        return run_reporting_errors(export.main, argv[1:])
     if command == "prepare":
         return run_reporting_errors(prepare.main, argv[1:])
     # noise from Lightning's own use of a torch API that torch deprecated; nothing a user can act on

@@ -289,12 +289,29 @@ def load_training_state(trainer: L.Trainer, path: str) -> None:
     trainer.strategy.load_optimizer_state_dict(checkpoint)
 
 
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint file or sharded folder read as data, in this one process, with its weights as full tensors
+    under ``state_dict`` either way; a UserError for anything that is not a Lightning checkpoint."""
+    return load_sharded_checkpoint(path) if path.is_dir() else read_checkpoint(path)
+
+
 def consolidate(folder: Path, output: Path) -> dict[str, Any]:
     """Write the sharded checkpoint ``folder`` as the single file ``output``, in this one process (the whole
     checkpoint must fit in its CPU memory); returns the checkpoint."""
     check_sharded_checkpoint(folder)
     if output.exists():
         raise UserError(f"{output} already exists: remove it or name another output file")
+    checkpoint = load_sharded_checkpoint(folder)
+    partial = output.with_name(f"{output.name}.partial")
+    torch.save(checkpoint, partial)
+    partial.replace(output)
+    return checkpoint
+
+
+def load_sharded_checkpoint(folder: Path) -> dict[str, Any]:
+    """A sharded checkpoint folder as one single-file checkpoint in memory (weights and optimizer states as full
+    tensors, laid out as a one-process run saves them); all of it must fit in this process's CPU memory."""
+    check_sharded_checkpoint(folder)
     read_checkpoint(folder / META_FILE)  # refuses a meta.pt whose pickle asks for code, before Lightning reads it
     checkpoint = _load_distributed_checkpoint(folder)  # shards and meta.pt, as full tensors
     # ModelParallelStrategy saves the weights as "state_dict", FSDPStrategy as "model"; the optimizers as
@@ -304,9 +321,6 @@ def consolidate(folder: Path, output: Path) -> dict[str, Any]:
     optimizer_keys = sorted((key for key in checkpoint if re.fullmatch(r"optimizer_\d+", key)), key=lambda k: int(k[10:]))
     if optimizer_keys:
         checkpoint["optimizer_states"] = [checkpoint.pop(key) for key in optimizer_keys]
-    partial = output.with_name(f"{output.name}.partial")
-    torch.save(checkpoint, partial)
-    partial.replace(output)
     return checkpoint
 
 

@@ -22,7 +22,7 @@ PRIVATE_METHODS = [
     (ModelCheckpoint, "_should_skip_saving_checkpoint", "RunCheckpoint.on_train_end: not twice for one step"),
     (ModelCheckpoint, "_monitor_candidates", "RunCheckpoint.on_train_end: the values a filename is made of"),
     (LightningCLI, "_parse_ckpt_path", "app/cli.py: keep the user's model config instead of the checkpoint's"),
-    (load, "_load_distributed_checkpoint", "app/checkpoints.py consolidate: a sharded folder as full tensors"),
+    (load, "_load_distributed_checkpoint", "app/checkpoints.py load_sharded_checkpoint: shards as full tensors"),
     (torch, "_foreach_mul_", "models/parallelize.py: scale every mesh's gradients in one call when clipping"),
 ]
 PRIVATE_ATTRIBUTES = [

@@ -1,0 +1,105 @@
+"""Cohort's GPT as Hugging Face's GPT-2: the same network, so the weights only change names and layout.
+
+    Cohort (models/gpt.py)           Hugging Face (GPT2LMHeadModel)
+    wte, wpe, ln_f                   transformer.wte, transformer.wpe, transformer.ln_f
+    blocks.i.ln_1, ln_2              transformer.h.i.ln_1, ln_2
+    blocks.i.attn.qkv                transformer.h.i.attn.c_attn    [q of all heads | k | v], not head by head
+    blocks.i.attn.proj               transformer.h.i.attn.c_proj
+    blocks.i.mlp.fc, mlp.proj        transformer.h.i.mlp.c_fc, mlp.c_proj
+    lm_head (tied to wte)            lm_head, tied to wte by tie_word_embeddings: not stored
+
+GPT-2's projections are ``Conv1D`` modules, whose weight is stored transposed: (in_features, out_features).
+Pure tensor code; writing the files and reading the checkpoint are app/export.py's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from core.errors import UserError
+from models.gpt import GPT, GPTConfig
+
+# Cohort's Linear layers inside a block, by their GPT-2 Conv1D names
+PROJECTIONS = {"attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
+
+
+def huggingface_gpt2_config(config: GPTConfig) -> dict[str, Any]:
+    """The ``config.json`` with which ``GPT2LMHeadModel`` computes what Cohort's GPT of ``config`` computes."""
+    check_is_gpt2(config)
+    return {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_embd": config.n_embd,
+        "n_inner": 4 * config.n_embd,
+        "n_positions": config.block_size,
+        "n_ctx": config.block_size,  # what configs before transformers 4 read
+        "vocab_size": config.vocab_size,
+        "activation_function": "gelu_new",  # GELU's tanh approximation, as models/gpt.py's MLP uses
+        "layer_norm_epsilon": 1e-5,  # nn.LayerNorm's default
+        "scale_attn_weights": True,  # scores / sqrt(head size), as scaled_dot_product_attention does
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        # Cohort drops out exactly where GPT-2 does (embeddings, attention weights, both residual branches)
+        "embd_pdrop": config.dropout,
+        "attn_pdrop": config.dropout,
+        "resid_pdrop": config.dropout,
+        "tie_word_embeddings": True,
+        # Cohort's data has no special tokens (documents are joined by a newline), so none is claimed here;
+        # GPT-2's default (50256) would name a token that means nothing to this model, or none at all
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
+
+
+def huggingface_gpt2_state_dict(state_dict: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Cohort GPT weights (``GPT.state_dict()`` names) as GPT2LMHeadModel's, each contiguous (as safetensors wants
+    them); the tied head is left out, as ``save_pretrained`` leaves it out. A UserError if they are not a GPT of
+    ``config``."""
+    check_is_gpt2(config)
+    check_weights_fit(state_dict, config)
+    converted = {f"transformer.{name}": state_dict[name] for name in ("wte.weight", "wpe.weight", "ln_f.weight",
+                                                                     "ln_f.bias")}
+    for i in range(config.n_layer):
+        cohort, hf = f"blocks.{i}.", f"transformer.h.{i}."
+        for norm in ("ln_1", "ln_2"):
+            converted[f"{hf}{norm}.weight"] = state_dict[f"{cohort}{norm}.weight"]
+            converted[f"{hf}{norm}.bias"] = state_dict[f"{cohort}{norm}.bias"]
+        for name, hf_name in PROJECTIONS.items():
+            weight, bias = state_dict[f"{cohort}{name}.weight"], state_dict[f"{cohort}{name}.bias"]  # (out, in), (out,)
+            if name == "attn.qkv":
+                weight, bias = qkv_by_kind(weight, config.n_head), qkv_by_kind(bias, config.n_head)
+            converted[f"{hf}{hf_name}.weight"] = weight.t()  # Conv1D: (in, out)
+            converted[f"{hf}{hf_name}.bias"] = bias
+    return {name: tensor.detach().contiguous() for name, tensor in converted.items()}
+
+
+def qkv_by_kind(qkv: torch.Tensor, n_head: int) -> torch.Tensor:
+    """The fused qkv projection's output rows (its weight's dim 0, or its bias) reordered from Cohort's head by head
+    layout, (q, k, v) within each head, to GPT-2's: q of every head, then k, then v."""
+    per_head = qkv.view(n_head, 3, -1, *qkv.shape[1:])  # (nh, 3, hs, ...)
+    return per_head.transpose(0, 1).reshape(qkv.shape)  # (3, nh, hs, ...) flattened back
+
+
+def check_is_gpt2(config: GPTConfig) -> None:
+    if not config.bias:
+        raise UserError("the model has no biases (bias=False), and GPT-2 has biases in every Linear and LayerNorm: "
+                        "only a model with bias=True exports as GPT-2")
+
+
+def check_weights_fit(state_dict: dict[str, torch.Tensor], config: GPTConfig) -> None:
+    """A UserError unless ``state_dict`` holds exactly the weights of a Cohort GPT of ``config``, in their shapes."""
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        expected = {name: tensor.shape for name, tensor in GPT(config).state_dict().items()}
+    found = {name: tensor.shape for name, tensor in state_dict.items()}
+    missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    reshaped = [f"{name} {tuple(found[name])} (expected {tuple(shape)})" for name, shape in expected.items()
+                if name in found and found[name] != shape]
+    problems = [f"{kind} {names[:3]}" for kind, names in (("missing", missing), ("unexpected", unexpected),
+                                                            ("other shapes:", reshaped)) if names]
+    if problems:
+        raise UserError(f"the weights are not those of a Cohort GPT of {config.n_layer} layers, width {config.n_embd}, "
+                        f"vocabulary {config.vocab_size} ({'; '.join(problems)}): pass a checkpoint cohort fit wrote")
