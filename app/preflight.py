@@ -110,9 +110,10 @@ def check_config(config: Namespace) -> RunPlan:
         pipeline_parallel_size=pipeline, **pipeline_options(trainer),
     )
     model_config = gpt_config(config.model.model_name, vocab_size=data.vocab_size)
-    if pipeline > model_config.n_layer:
-        raise UserError(f"pipeline_parallel_size={pipeline} is more stages than model '{config.model.model_name}' has "
-                        f"blocks ({model_config.n_layer}): use at most {model_config.n_layer} stages")
+    stages = pipeline * plan.stages_per_rank
+    if stages > model_config.n_layer:
+        raise UserError(f"pipeline_parallel_size={pipeline} ({plan.pipeline_schedule}) makes {stages} stages, more than "
+                        f"model '{config.model.model_name}' has blocks ({model_config.n_layer}): use fewer stages")
     try:
         check_tensor_parallel_size(model_config.n_head, tensor_parallel)
     except ValueError as error:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from core.errors import UserError, check_ranges
 
-PIPELINE_SCHEDULES = ("GPipe", "1F1B")  # models/pipeline.py's SCHEDULES
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # models/pipeline.py's SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,11 @@ class RunPlan:
             raise UserError(f"{field}.pipeline_microbatches={self.pipeline_microbatches} is fewer than the "
                             f"{self.pipeline_parallel_size} pipeline stages, so some stages would always wait: use at "
                             f"least {self.pipeline_parallel_size} (more shrink the bubble)")
+        rounds = self.pipeline_microbatches // self.pipeline_parallel_size
+        if self.stages_per_rank > 1 and self.pipeline_microbatches % rounds != 0:
+            raise UserError(f"{field}.pipeline_microbatches={self.pipeline_microbatches}: the interleaved schedule runs "
+                            f"them in {rounds} rounds, which must divide them: use a multiple of "
+                            f"pipeline_parallel_size={self.pipeline_parallel_size}")
         if self.micro_batch_size % self.pipeline_microbatches != 0:
             raise UserError(f"{field}.pipeline_microbatches={self.pipeline_microbatches} does not divide "
                             f"data.micro_batch_size={self.micro_batch_size}: each micro batch is cut into that many "
@@ -85,6 +90,11 @@ class RunPlan:
     @property
     def world_size(self) -> int:
         return self.devices_per_node * self.num_nodes
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each pipeline rank runs: two under the interleaved schedule, else one."""
+        return 2 if self.pipeline_schedule == "Interleaved1F1B" else 1
 
     @property
     def accumulation(self) -> int:
@@ -114,8 +124,9 @@ class RunPlan:
     def describe(self) -> str:
         pipeline = ""
         if self.pipeline_parallel_size > 1:
-            pipeline = (f"; {self.pipeline_parallel_size} pipeline stages ({self.pipeline_schedule}), each micro batch "
-                        f"cut into {self.pipeline_microbatches} pipeline micro-batches")
+            stages = self.pipeline_parallel_size * self.stages_per_rank
+            pipeline = (f"; {stages} pipeline stages on {self.pipeline_parallel_size} ranks ({self.pipeline_schedule}), "
+                        f"each micro batch cut into {self.pipeline_microbatches} pipeline micro-batches")
         return (f"global batch {self.global_batch_size} = micro batch {self.micro_batch_size} x "
                 f"{self.data_parallel_size} data-parallel ranks x {self.accumulation} accumulation steps; "
                 f"{self.tokens_per_step:,} tokens per optimizer step{pipeline}")

@@ -20,8 +20,8 @@ from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
 from models.gpt import GPT, gpt_config
-from models.parallelize import build_gpt, clip_grad_norm_
-from models.pipeline import Pipeline, pipeline_stage, theoretical_bubble
+from models.parallelize import build_gpt, clip_grad_norm_, merge_stages
+from models.pipeline import Pipeline, rank_stages, theoretical_bubble
 
 # FSDP2's compute dtype for each mixed precision; the sharded float32 master weights stay float32
 FSDP_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -113,7 +113,8 @@ class GPTLanguageModel(L.LightningModule):
     def configure_model(self) -> None:
         """Build the GPT on the meta device and let ``build_gpt`` parallelise, materialise and initialise it on
         this rank's device: under ModelParallelStrategy over its (data_parallel, tensor_parallel) mesh, under
-        PipelineParallelStrategy only this rank's stage. With no Trainer (``load_from_checkpoint`` in a plain Python
+        PipelineParallelStrategy only this rank's stages (two under the interleaved schedule, held together by one
+        GPT so that names are the unsplit model's). With no Trainer (``load_from_checkpoint`` in a plain Python
         process calls this before loading the weights) it is built whole on the CPU."""
         if self.model is not None:  # Lightning calls this once per fit/validate/...; build once
             return
@@ -122,8 +123,10 @@ class GPTLanguageModel(L.LightningModule):
         if isinstance(trainer and trainer.strategy, FSDPStrategy):
             device = torch.device("cpu")  # FSDP (1) moves each unit to its GPU as it shards it
         plan = run_plan_of(self) if trainer is not None else None
-        stage = pipeline_stage(self.config.n_layer, self.device_mesh) if plan and plan.pipeline_parallel_size > 1 else None
-        self.model = build_gpt(
+        spans = [None]  # the whole model, or this rank's pipeline stages
+        if plan is not None and plan.pipeline_parallel_size > 1:
+            spans = rank_stages(self.config.n_layer, self.device_mesh, plan.stages_per_rank)
+        stages = [build_gpt(
             self.config,
             device=device,
             seed=self.hparams.seed,
@@ -131,10 +134,11 @@ class GPTLanguageModel(L.LightningModule):
             activation_checkpointing=self.hparams.activation_checkpointing,
             compile=self.hparams.compile,
             param_dtype=FSDP_PARAM_DTYPES.get(str(trainer.precision)) if trainer is not None else None,
-            stage=stage,
-        )
-        if stage is not None:
-            self.pipeline = Pipeline(self.model, stage, self.device_mesh, device, plan.pipeline_schedule,
+            stage=span,
+        ) for span in spans]
+        self.model = stages[0] if len(stages) == 1 else merge_stages(stages)
+        if spans[0] is not None:
+            self.pipeline = Pipeline(stages, spans, self.device_mesh, device, plan.pipeline_schedule,
                                      plan.pipeline_microbatches)
 
     def configure_gradient_clipping(
@@ -172,7 +176,8 @@ class GPTLanguageModel(L.LightningModule):
                 # rank 0's (the first stage's) share of the step spent waiting on the other stages, and the schedule's
                 self.log("pipeline/bubble", self.pipeline.bubble())
                 self.log("pipeline/bubble_theory",
-                         theoretical_bubble(plan.pipeline_parallel_size, plan.pipeline_microbatches))
+                         theoretical_bubble(plan.pipeline_parallel_size, plan.pipeline_microbatches,
+                                            plan.stages_per_rank))
         else:
             logits = self.model(inputs)
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)

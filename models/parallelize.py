@@ -107,6 +107,17 @@ def build_gpt(
     return model
 
 
+def merge_stages(stages: list[GPT]) -> GPT:
+    """One GPT holding the parts of this rank's stages (an interleaved schedule runs two), so that parameter
+    names, the state dict and the optimizer see the unsplit model's names. Only the stages run forward."""
+    with torch.device("meta"):
+        merged = GPT(stages[0].config)
+    merged.blocks = nn.ModuleDict({name: block for stage in stages for name, block in stage.blocks.items()})
+    for part in ("wte", "wpe", "ln_f", "lm_head"):
+        setattr(merged, part, next((getattr(stage, part) for stage in stages if getattr(stage, part) is not None), None))
+    return merged
+
+
 def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh) -> None:
     """Megatron-style: the first projection of attention and of the MLP split by output columns (whole heads,
     thanks to the head-interleaved qkv layout), the second by input rows, so each block needs one all-reduce

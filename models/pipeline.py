@@ -1,5 +1,5 @@
-"""Pipeline parallelism for the GPT with ``torch.distributed.pipelining``: this rank's stage, the schedule that
-runs every pipeline micro-batch's forward and backward through it, and the two things a pipeline adds to a
+"""Pipeline parallelism for the GPT with ``torch.distributed.pipelining``: this rank's stages (one, or two under
+the interleaved schedule), the schedule that runs every pipeline micro-batch's forward and backward through them, and the two things a pipeline adds to a
 training step, both over the pipeline ranks: the tied embedding's gradient summed between the first and the last
 stage, and the gradient norm summed over all stages before clipping.
 
@@ -20,25 +20,29 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
 from core.tokens import IGNORE_INDEX
 from models.gpt import GPT
 from models.parallelize import StageSpan, split_layers
 
-SCHEDULES: dict[str, type] = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
+SCHEDULES: dict[str, type] = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
 
 
-def pipeline_stage(n_layer: int, mesh: DeviceMesh) -> StageSpan:
-    """This rank's stage: one per pipeline rank, in rank order."""
+def rank_stages(n_layer: int, mesh: DeviceMesh, stages_per_rank: int) -> list[StageSpan]:
+    """This rank's stages, in the "loop" order of the interleaved schedules: pipeline rank r of p runs stages r,
+    r + p, r + 2p, ... (one stage per rank without interleaving)."""
     pipeline_mesh = mesh["pipeline_parallel"]
-    return split_layers(n_layer, pipeline_mesh.size())[pipeline_mesh.get_local_rank()]
+    ranks, rank = pipeline_mesh.size(), pipeline_mesh.get_local_rank()
+    stages = split_layers(n_layer, ranks * stages_per_rank)
+    return [stages[rank + round_ * ranks] for round_ in range(stages_per_rank)]
 
 
-def theoretical_bubble(stages: int, n_microbatches: int) -> float:
-    """The idle share of a GPipe or 1F1B step: (p - 1) / (m + p - 1) for p stages and m micro-batches."""
-    return (stages - 1) / (n_microbatches + stages - 1)
+def theoretical_bubble(ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> float:
+    """The idle share of a step: (p - 1) / (m + p - 1) for GPipe and 1F1B over p ranks and m micro-batches; an
+    interleaved schedule with v stages per rank fills and drains v times faster, (p - 1) / (v m + p - 1)."""
+    return (ranks - 1) / (stages_per_rank * n_microbatches + ranks - 1)
 
 
 class TimedStage(PipelineStage):
@@ -66,18 +70,25 @@ class TimedStage(PipelineStage):
 
 
 class Pipeline:
-    """This rank's stage of ``model`` (already cut by ``build_gpt``) and the schedule over the mesh's
-    "pipeline_parallel" dimension."""
+    """This rank's stages (GPTs already cut by ``build_gpt``, described by ``spans``) and the schedule over the
+    mesh's "pipeline_parallel" dimension."""
 
-    def __init__(self, model: GPT, stage: StageSpan, mesh: DeviceMesh, device: torch.device, schedule: str,
-                 n_microbatches: int) -> None:
-        self.model, self.span, self.n_microbatches = model, stage, n_microbatches
+    def __init__(self, stages: list[GPT], spans: list[StageSpan], mesh: DeviceMesh, device: torch.device,
+                 schedule: str, n_microbatches: int) -> None:
+        self.device = device
+        self.has_first = any(span.first for span in spans)
+        self.has_last = any(span.last for span in spans)
         self.group = mesh["pipeline_parallel"].get_group()
         self.tied_group = tied_embedding_group(mesh)
-        self.stage = TimedStage(model, stage.index, stage.num_stages, device, group=self.group)
+        self.stages = [TimedStage(stage, span.index, span.num_stages, device, group=self.group)
+                       for stage, span in zip(stages, spans)]
+        # the last stage's copy of the tied embedding: its gradient is summed into the first stage's
+        self.tied_weight = next((stage.wte.weight for stage, span in zip(stages, spans)
+                                 if span.last and stage.wte is not None), None)
         # scale_grads=False: torch's scaling divides every gradient, also those accumulated over earlier
         # micro-batches of the optimizer step; the loss below is scaled instead
-        self.schedule = SCHEDULES[schedule](self.stage, n_microbatches, loss_fn=self._loss, scale_grads=False)
+        local = self.stages[0] if len(self.stages) == 1 else self.stages
+        self.schedule = SCHEDULES[schedule](local, n_microbatches, loss_fn=self._loss, scale_grads=False)
         self._loss_denominator = 1.0
         self.step_seconds = 0.0
 
@@ -94,7 +105,7 @@ class Pipeline:
         self._loss_denominator = tokens.item() * accumulation  # each chunk adds its share of the mean
         losses: list[torch.Tensor] = []
         start = time.perf_counter()
-        self.schedule.step(inputs if self.span.first else None, target=targets if self.span.last else None,
+        self.schedule.step(inputs if self.has_first else None, target=targets if self.has_last else None,
                            losses=losses, return_outputs=False)
         self.step_seconds += time.perf_counter() - start
         return self._shared_loss(losses, accumulation)
@@ -104,34 +115,39 @@ class Pipeline:
         tokens = (targets != IGNORE_INDEX).sum().clamp(min=1)
         self._loss_denominator = tokens.item()
         losses: list[torch.Tensor] = []
-        self.schedule.eval(inputs if self.span.first else None, target=targets if self.span.last else None,
+        self.schedule.eval(inputs if self.has_first else None, target=targets if self.has_last else None,
                            losses=losses)
         return self._shared_loss(losses, 1), tokens
 
     def _shared_loss(self, losses: list[torch.Tensor], scale: int) -> torch.Tensor:
         """The last stage's loss, summed from its chunks, on every pipeline rank: one all-reduce of one number."""
-        loss = torch.stack(losses).sum().detach() * scale if losses else torch.zeros((), device=self.stage.device)
+        loss = torch.stack(losses).sum().detach() * scale if losses else torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.group)
         return loss
 
     def finish_gradients(self) -> None:
         """After the optimizer step's last backward: the first stage's embedding gradient and the last stage's
         head gradient are one parameter's, so each gets their sum."""
-        if self.tied_group is None or self.model.wte is None:
+        if self.tied_group is None:  # no pipeline, or a middle rank
             return
-        grad = self.model.wte.weight.grad
+        # pipeline rank 0's first stage is stage 0, the one with the embedding
+        weight = self.tied_weight if self.tied_weight is not None else self.stages[0].submod.wte.weight
+        grad = weight.grad
         dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.tied_group)
 
     def counted_parameters(self, parameters: list[nn.Parameter]) -> list[nn.Parameter]:
         """``parameters`` without those another stage already counts (the tied embedding on the last stage)."""
-        if self.span.first or self.model.wte is None:
+        if self.has_first or self.tied_weight is None:
             return parameters
-        return [param for param in parameters if param is not self.model.wte.weight]
+        return [param for param in parameters if param is not self.tied_weight]
 
     def bubble(self) -> float:
         """The share of the steps since the last call that this rank spent waiting rather than computing."""
-        measured = 1.0 - self.stage.busy_seconds / self.step_seconds if self.step_seconds else 0.0
-        self.stage.busy_seconds = self.step_seconds = 0.0
+        busy = sum(stage.busy_seconds for stage in self.stages)
+        measured = 1.0 - busy / self.step_seconds if self.step_seconds else 0.0
+        for stage in self.stages:
+            stage.busy_seconds = 0.0
+        self.step_seconds = 0.0
         return measured
 
 

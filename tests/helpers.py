@@ -233,8 +233,8 @@ def without_key_bias(weights: dict[str, torch.Tensor], n_head: int = 2) -> dict[
     return trimmed
 
 
-def assert_weights_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float) -> None:
-    a, b = without_key_bias(a), without_key_bias(b)
+def assert_weights_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float, n_head: int = 2) -> None:
+    a, b = without_key_bias(a, n_head), without_key_bias(b, n_head)
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=rtol * a[name].abs().max().item(), msg=name)

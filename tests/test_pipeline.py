@@ -1,6 +1,7 @@
-"""``cohort fit`` with PipelineParallelStrategy on 2 CPU processes (gloo): GPipe and 1F1B train as one process
-does on the same global batch, with clipping that bites; a pipelined run resumes exactly after SIGKILL; its
-checkpoint validates alike on one process; pipeline mistakes get one line."""
+"""``cohort fit`` with PipelineParallelStrategy on CPU processes (gloo): GPipe, 1F1B, interleaved 1F1B and 1F1B x
+FSDP2 train as one process does on the same global batch, with clipping that bites; a pipelined run resumes
+exactly after SIGKILL; its checkpoint validates alike on one process and resumes under FSDP2; pipeline mistakes
+get one line."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
-    CONFIG_DIR, QUIET, assert_one_line_error, assert_sharded_resume_after_sigkill_is_bitwise_exact,
+    CONFIG_DIR, MODEL_PARALLEL, QUIET, assert_one_line_error, assert_sharded_resume_after_sigkill_is_bitwise_exact,
     assert_weights_close, fit, last_checkpoint, last_checkpoint_weights, run_cohort, scalars, validate,
 )
 
@@ -23,23 +24,55 @@ def schedule(name: str, microbatches: int) -> list[str]:
             "--trainer.strategy.init_args.pipeline_microbatches", str(microbatches)]
 
 
+PIPELINE_X_FSDP2 = ["--trainer.devices", "4", "--trainer.strategy.init_args.data_parallel_size", "2"]
+SMALL = ["--model.model_name", "small"]  # 4 blocks (4 heads): enough for 2 stages on each of 2 ranks
+
+
 @pytest.fixture(scope="module")
 def pipelined_runs(tmp_path_factory: pytest.TempPathFactory, comparable_run_args: list[str]) -> dict[str, Path]:
-    """The debug model's 2 blocks as 2 stages, its micro batch of 4 cut into 2 (GPipe) or 4 (1F1B) pieces."""
-    return {name: fit(tmp_path_factory.mktemp(name), comparable_run_args, *schedule(name, microbatches))
-            for name, microbatches in (("GPipe", 2), ("1F1B", 4))}
+    """The debug model's 2 blocks as 2 stages, its micro batch of 4 cut into 2 (GPipe) or 4 (1F1B) pieces; and
+    1F1B on 4 processes: 2 stages x FSDP2 over 2 data-parallel ranks."""
+    return {"GPipe": fit(tmp_path_factory.mktemp("GPipe"), comparable_run_args, *schedule("GPipe", 2)),
+            "1F1B": fit(tmp_path_factory.mktemp("1F1B"), comparable_run_args, *schedule("1F1B", 4)),
+            "1F1B x FSDP2": fit(tmp_path_factory.mktemp("pp_dp"), comparable_run_args, *schedule("1F1B", 2),
+                                *PIPELINE_X_FSDP2)}
 
 
-@pytest.mark.parametrize("name", ["GPipe", "1F1B"])
-def test_pipeline_trains_as_one_process_does(one_process_comparable_run: Path, pipelined_runs: dict[str, Path], name: str) -> None:
-    """Every step's training and validation loss, and the final weights (the optimizer's sums are the same sums
-    taken in another order: float32 rounding only)."""
-    run = pipelined_runs[name]
+def assert_trains_as_one_process_does(one_process: Path, run: Path, n_head: int = 2) -> None:
+    """Every step's validation loss and gradient norm, the training loss where rank 0 reads the micro-batch one
+    process logs (without data parallelism), and the final weights, within 1e-5 (the same sums taken in another
+    order: float32 rounding only)."""
     assert last_checkpoint(run).is_dir()  # sharded: each stage writes its own weights
-    for tag in ("train/loss", "val/loss", "train/grad_norm"):
-        assert scalars(run, tag) == pytest.approx(scalars(one_process_comparable_run, tag), rel=1e-5), tag
-    assert scalars(one_process_comparable_run, "train/grad_norm")[0] > 2 * 0.1  # clipping (0.1) bit
-    assert_weights_close(last_checkpoint_weights(one_process_comparable_run), last_checkpoint_weights(run), rtol=1e-5)
+    data_parallel = "data_parallel_size: 2" in (run / "lightning_logs/version_0/config.yaml").read_text()
+    for tag in ("val/loss", "train/grad_norm", *([] if data_parallel else ["train/loss"])):
+        assert scalars(run, tag) == pytest.approx(scalars(one_process, tag), rel=1e-5), tag
+    assert scalars(one_process, "train/grad_norm")[0] > 2 * 0.1  # clipping (0.1) bit
+    assert_weights_close(last_checkpoint_weights(one_process), last_checkpoint_weights(run), rtol=1e-5, n_head=n_head)
+
+
+@pytest.mark.parametrize("name", ["GPipe", "1F1B", "1F1B x FSDP2"])
+def test_pipeline_trains_as_one_process_does(one_process_comparable_run: Path, pipelined_runs: dict[str, Path],
+                                             name: str) -> None:
+    assert_trains_as_one_process_does(one_process_comparable_run, pipelined_runs[name])
+
+
+def test_interleaved_pipeline_trains_as_one_process_does(tmp_path: Path, comparable_run_args: list[str]) -> None:
+    """Interleaved 1F1B: the small model's 4 blocks as 4 stages, 2 on each rank (0 and 2, 1 and 3)."""
+    one_process = fit(tmp_path / "one_process", comparable_run_args, *SMALL)
+    interleaved = fit(tmp_path / "interleaved", comparable_run_args, *SMALL, *schedule("Interleaved1F1B", 2))
+    assert_trains_as_one_process_does(one_process, interleaved, n_head=4)
+
+
+def test_pipelined_checkpoint_resumes_under_fsdp2(tmp_path: Path, comparable_run_args: list[str],
+                                                  one_process_comparable_run: Path, pipelined_runs: dict[str, Path]) -> None:
+    """Weights and Adam's moments go from the pipeline's stages into FSDP2 shards: the next two steps match the
+    one-process run resumed from its own checkpoint of the same step."""
+    resumed = {name: fit(tmp_path / name, comparable_run_args, *strategy, "--trainer.max_steps", "6",
+                         "--ckpt_path", str(last_checkpoint(run)))
+               for name, strategy, run in (("one_process", [], one_process_comparable_run),
+                                           ("fsdp2", MODEL_PARALLEL, pipelined_runs["1F1B"]))}
+    assert_weights_close(last_checkpoint_weights(resumed["one_process"]), last_checkpoint_weights(resumed["fsdp2"]),
+                         rtol=1e-5)
 
 
 def test_pipelined_checkpoint_validates_alike_in_one_process(pipelined_runs: dict[str, Path], comparable_run_args: list[str]) -> None:
@@ -63,13 +96,13 @@ def test_pipeline_mistakes_get_one_line(tmp_path: Path, comparable_run_args: lis
         (["--trainer.strategy.init_args.data_parallel_size", "2"],
          "pipeline_parallel_size=2 x data_parallel_size=2 x tensor_parallel_size=1 must equal the world size 2"),
         (["--trainer.strategy.init_args.pipeline_parallel_size", "3", "--trainer.devices", "3"],
-         "pipeline_parallel_size=3 is more stages than model 'debug' has blocks (2)"),
+         "pipeline_parallel_size=3 (1F1B) makes 3 stages, more than model 'debug' has blocks (2)"),
         (["--trainer.strategy.init_args.pipeline_microbatches", "1"],
          "pipeline_microbatches=1 is fewer than the 2 pipeline stages"),
         (["--trainer.strategy.init_args.pipeline_microbatches", "3"],
          "pipeline_microbatches=3 does not divide data.micro_batch_size=4"),
         (["--trainer.strategy.init_args.pipeline_schedule", "ZeroBubble"],
-         "pipeline_schedule='ZeroBubble' is not a schedule: use one of GPipe, 1F1B"),
+         "pipeline_schedule='ZeroBubble' is not a schedule: use one of GPipe, 1F1B, Interleaved1F1B"),
     ]
     for extra, expected in cases:
         assert_one_line_error(["fit", *comparable_run_args, *QUIET, *PIPELINE, *extra], tmp_path, expected)
