@@ -7,7 +7,7 @@
 #   STEPS=300 OUTPUT=/tmp/tensorboard.png scripts/tensorboard_screenshot.sh
 #
 # Needs: Cohort installed (python -m app) with tensorboard, curl, and Chromium (Debian: apt-get install chromium).
-# Takes about 1¼ minutes on 2 CPU cores, nearly all of it the run. The run's logs and checkpoints go to a temporary
+# Takes about a minute on 2 idle CPU cores, nearly all of it the run. The run's logs and checkpoints go to a temporary
 # folder, removed at the end; the embedded corpus is built in data/ if it is not there yet, as any run does.
 #
 # STEPS     optimizer steps of the run (150: 15 points per chart, one every trainer.log_every_n_steps = 10)
@@ -34,7 +34,10 @@ fi
 work=$(mktemp -d)
 tensorboard_pid=
 cleanup() {
-  if [[ -n "$tensorboard_pid" ]]; then kill "$tensorboard_pid" 2>/dev/null || true; wait "$tensorboard_pid" 2>/dev/null || true; fi
+  if [[ -n "$tensorboard_pid" ]]; then
+    kill "$tensorboard_pid" 2>/dev/null || true
+    wait "$tensorboard_pid" 2>/dev/null || true
+  fi
   rm -rf "$work"
 }
 trap cleanup EXIT
