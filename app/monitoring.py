@@ -14,6 +14,10 @@ two ranks the median of all would be the mean of the pair, so a rank had to be 3
 slowest rank costs the job is the others' wait for it, as a share of the step: their idle time (step time less compute
 and data wait) above its own, since it idles only for what every rank pays (the transfers, the loop's own work). Idle,
 not sync wait alone: under gradient accumulation the others also wait in Lightning's per-micro-batch broadcast.
+
+Under a pipeline each rank also reports its stages' compute inside the schedule and the time it waited there on
+the other stages; that wait is idle, not compute. The share of the pipeline's time in which a rank did not compute
+is its measured bubble, logged per rank beside the schedule's theoretical (p - 1) / (m + p - 1).
 """
 
 from __future__ import annotations
@@ -38,10 +42,13 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from app.flops import formula_flops_per_token, measured_flops_per_token, measured_peak_tflops, peak_tflops_per_device
 from app.tensorboard_layout import log_final_val_loss, write_layout
 from core.run_plan import run_plan_of
+from models.pipeline import theoretical_bubble
 
 # One row per rank per window; the names are also the TensorBoard tags under monitor/.
-FIELDS = ("data_wait_s", "compute_s", "sync_wait_s", "step_s", "loss", "loss_std", "host_rss_gib",
-          "cuda_peak_allocated_gib", "cuda_peak_reserved_gib", "param_checksum", "param_square_sum")
+FIELDS = ("data_wait_s", "compute_s", "sync_wait_s", "step_s", "pipeline_compute_s", "pipeline_wait_s", "loss",
+          "loss_std", "host_rss_gib", "cuda_peak_allocated_gib", "cuda_peak_reserved_gib", "param_checksum",
+          "param_square_sum")
+PIPELINE_FIELDS = ("pipeline_compute_s", "pipeline_wait_s")  # logged under a pipeline only
 PER_STEP_FIELDS = ("data_wait_s", "compute_s", "sync_wait_s", "step_s")
 GIB = 2**30
 # alerts go through logging, not warnings: a run started with -W ignore must still hear about a straggler
@@ -132,12 +139,14 @@ class RankMonitor(Callback):
         self.summary: list[dict[str, float]] = []  # one entry per window, on every rank
         self.straggler_events = 0
         self._sync_measured = False  # set at train start: sync wait is timed (DDP on 2 ranks or more)
+        self._pipeline: Any = None  # set at train start: the module's Pipeline (models/pipeline.py), if any
         self._slow_windows: dict[int, int] = {}
         self._data_wait_warned = False
 
     # ----- setup -----
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._trainer = trainer
+        self._pipeline = getattr(pl_module, "pipeline", None)
         self.every_n_steps = self.every_n_steps or trainer.log_every_n_steps
         self._cuda = trainer.strategy.root_device.type == "cuda"
         self._plan = plan = run_plan_of(pl_module)
@@ -157,7 +166,7 @@ class RankMonitor(Callback):
         if dist.is_available() and dist.is_initialized():
             dist.all_gather_object(self.hosts, socket.gethostname())  # once per run
         self._sync_measured = self._register_sync_timer(trainer)
-        write_layout(trainer, self._cuda)
+        write_layout(trainer, self._cuda, pipeline=self._pipeline is not None)
         self._reset_window()
 
     def _register_sync_timer(self, trainer: L.Trainer) -> bool:
@@ -183,6 +192,8 @@ class RankMonitor(Callback):
         self._window_start = time.perf_counter()
         self._data_wait_at_start = self._loader_wait()
         self._paused = 0.0  # validation inside the window is not step time
+        pipeline = self._pipeline
+        self._pipeline_at_start = (pipeline.compute_seconds, pipeline.schedule_seconds) if pipeline else (0.0, 0.0)
         self._losses: list[torch.Tensor] = []
         self._micro_batches: list[tuple[Marker, Marker, Marker | None, Marker | None]] = []
         if self._cuda:
@@ -228,12 +239,18 @@ class RankMonitor(Callback):
             self._window["compute_s"] += start.seconds_until(end) - sync
             self._window["sync_wait_s"] += sync
         self._window["data_wait_s"] = self._loader_wait() - self._data_wait_at_start
+        pipeline_compute = pipeline_wait = 0.0
+        if self._pipeline is not None:  # its waits on the other stages happened inside the step: idle, not compute
+            pipeline_compute = self._pipeline.compute_seconds - self._pipeline_at_start[0]
+            pipeline_wait = self._pipeline.schedule_seconds - self._pipeline_at_start[1] - pipeline_compute
+            self._window["compute_s"] -= pipeline_wait
         losses = torch.stack(self._losses).double()
         check_replicas = self._replica_check_due(trainer)
         params = [p.detach() for p in trainer.lightning_module.parameters()] if check_replicas else []
         row = torch.tensor([
             *(self._window[f] / self._steps for f in ("data_wait_s", "compute_s", "sync_wait_s")),
             (time.perf_counter() - self._window_start - self._paused) / self._steps,
+            pipeline_compute / self._steps, pipeline_wait / self._steps,
             losses.mean().item(), losses.std().item() if len(losses) > 1 else 0.0,
             host_rss_bytes() / GIB,
             torch.cuda.max_memory_allocated() / GIB if self._cuda else 0.0,
@@ -274,10 +291,14 @@ class RankMonitor(Callback):
         }
         metrics["throughput/mfu"] = tflops / (self.peak * trainer.world_size)
         for name in FIELDS[:-2]:
+            if name in PIPELINE_FIELDS and self._pipeline is None:
+                continue
             values = window[name]
             metrics.update({f"monitor/{name}/min": min(values), f"monitor/{name}/median": statistics.median(values),
                             f"monitor/{name}/max": max(values)})
             metrics.update({f"monitor/{name}/rank{rank}": value for rank, value in enumerate(values)})
+        if self._pipeline is not None:
+            metrics.update(self._bubble(window))
         data_share = [d / s for d, s in zip(window["data_wait_s"], window["step_s"])]
         metrics["monitor/data_wait_share/max"] = max(data_share)
         metrics.update(self._stragglers(window) | self._loss_outliers(window))
@@ -293,6 +314,19 @@ class RankMonitor(Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _bubble(self, window: dict[str, Any]) -> dict[str, float]:
+        """Each rank's measured pipeline bubble: the share of the pipeline's time (the longest time a rank spent in
+        the schedule: the last stage's schedule returns while the first still runs its last backwards) in which
+        the rank did not compute."""
+        span = max(compute + wait for compute, wait in zip(window["pipeline_compute_s"], window["pipeline_wait_s"]))
+        bubbles = [1 - compute / span if span > 0 else 0.0 for compute in window["pipeline_compute_s"]]
+        plan = self._plan
+        metrics = {f"monitor/pipeline_bubble/rank{rank}": bubble for rank, bubble in enumerate(bubbles)}
+        metrics["monitor/pipeline_bubble/median"] = statistics.median(bubbles)
+        metrics["monitor/pipeline_bubble_theory"] = theoretical_bubble(
+            plan.pipeline_parallel_size, plan.pipeline_microbatches, plan.stages_per_rank)
+        return metrics
 
     def _stragglers(self, window: dict[str, Any]) -> dict[str, float]:
         compute = window["compute_s"]
@@ -363,6 +397,9 @@ class RankMonitor(Callback):
             ("waiting for the slowest rank", f"{mean('monitor/straggler_cost_share'):.1%} of the step"
              if "monitor/straggler_cost_share" in last else "n/a (sync wait not timed)"),
         ]
+        if self._pipeline is not None:
+            rows.insert(4, ("pipeline bubble, median rank", f"{mean('monitor/pipeline_bubble/median'):.1%} of the "
+                            f"schedule (theory {last['monitor/pipeline_bubble_theory']:.1%})"))
         if self._cuda:
             rows.insert(6, ("CUDA peak allocated, largest rank",
                             f"{max(w['monitor/cuda_peak_allocated_gib/max'] for w in self.summary):.2f} GiB"))

@@ -176,6 +176,9 @@ def pipeline_options(trainer: Namespace) -> dict[str, str | int]:
     if not strategy_name(trainer.strategy).endswith("PipelineParallelStrategy"):
         return {}
     options = trainer.strategy.init_args
+    if getattr(options, "save_distributed_checkpoint", True) is False:
+        raise UserError("trainer.strategy.init_args.save_distributed_checkpoint=false would gather one stage's weights "
+                        "only: pipelined runs save sharded checkpoints (cohort consolidate makes one file)")
     stages = int(getattr(options, "pipeline_parallel_size", 2))
     return {"pipeline_schedule": str(getattr(options, "pipeline_schedule", "1F1B")),
             "pipeline_microbatches": int(getattr(options, "pipeline_microbatches", None) or stages)}

@@ -40,11 +40,9 @@ class PipelineParallelStrategy(ModelParallelStrategy):
             pipeline_schedule: "1F1B" (one forward, one backward: fewer activations held) or "GPipe" (all
                 forwards, then all backwards).
             pipeline_microbatches: pipeline micro-batches per micro batch; null means one per stage.
-            save_distributed_checkpoint, process_group_backend, timeout: as ModelParallelStrategy's.
+            save_distributed_checkpoint, process_group_backend, timeout: as ModelParallelStrategy's (the
+                pre-flight checks keep save_distributed_checkpoint true: one file would hold rank 0's stage only).
         """
-        if not save_distributed_checkpoint:
-            raise UserError("trainer.strategy.init_args.save_distributed_checkpoint=false would gather one stage's "
-                            "weights only: pipelined runs save sharded checkpoints (cohort consolidate makes one file)")
         super().__init__(data_parallel_size, tensor_parallel_size, save_distributed_checkpoint,
                          process_group_backend, timeout)
         self.pipeline_parallel_size = pipeline_parallel_size

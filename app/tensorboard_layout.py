@@ -18,18 +18,22 @@ from lightning.pytorch.loggers import TensorBoardLogger
 CHARTS = (("loss", "loss"), ("step time (s)", "step_s"), ("data wait (s)", "data_wait_s"),
           ("compute (s)", "compute_s"), ("sync wait (s)", "sync_wait_s"), ("host memory (GiB)", "host_rss_gib"))
 CUDA_CHARTS = (("CUDA memory, peak allocated (GiB)", "cuda_peak_allocated_gib"),)
+PIPELINE_CHARTS = (("pipeline compute (s)", "pipeline_compute_s"), ("pipeline wait (s)", "pipeline_wait_s"))
 
 
-def custom_scalars_layout(cuda: bool) -> dict[str, dict[str, list[Any]]]:
+def custom_scalars_layout(cuda: bool, pipeline: bool = False) -> dict[str, dict[str, list[Any]]]:
     """The layout in ``SummaryWriter.add_custom_scalars``' form, {category: {chart title: [kind, tags]}}.
 
     A multi-line chart's tags are regular expressions, matched from the start of a tag, so one covers every rank
     at any world size; a margin chart takes exactly three tags: the value, its lower and its upper bound.
     """
     charts: dict[str, list[Any]] = {}
-    for title, field in CHARTS + (CUDA_CHARTS if cuda else ()):
+    for title, field in CHARTS + (CUDA_CHARTS if cuda else ()) + (PIPELINE_CHARTS if pipeline else ()):
         charts[f"{title} — every rank"] = ["Multiline", [rf"monitor/{field}/rank\d+$"]]
         charts[f"{title} — min, median, max"] = ["Margin", [f"monitor/{field}/{s}" for s in ("median", "min", "max")]]
+    if pipeline:  # the measured share beside the schedule's theory
+        charts["pipeline bubble — every rank and theory"] = [
+            "Multiline", [r"monitor/pipeline_bubble/rank\d+$", r"monitor/pipeline_bubble_theory$"]]
     return {"every rank": charts}
 
 
@@ -37,11 +41,11 @@ def tensorboard_loggers(trainer: L.Trainer) -> list[TensorBoardLogger]:
     return [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
 
 
-def write_layout(trainer: L.Trainer, cuda: bool) -> None:
+def write_layout(trainer: L.Trainer, cuda: bool, pipeline: bool = False) -> None:
     """Rank 0 writes the layout into each TensorBoard run, once per run (TensorBoard allows one per writer)."""
     if trainer.is_global_zero:
         for logger in tensorboard_loggers(trainer):
-            logger.experiment.add_custom_scalars(custom_scalars_layout(cuda))
+            logger.experiment.add_custom_scalars(custom_scalars_layout(cuda, pipeline))
 
 
 def log_final_val_loss(trainer: L.Trainer) -> None:

@@ -21,7 +21,7 @@ from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
 from models.gpt import GPT, gpt_config
 from models.parallelize import build_gpt, clip_grad_norm_, merge_stages
-from models.pipeline import Pipeline, rank_stages, theoretical_bubble
+from models.pipeline import Pipeline, rank_stages
 
 # FSDP2's compute dtype for each mixed precision; the sharded float32 master weights stay float32
 FSDP_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -173,11 +173,6 @@ class GPTLanguageModel(L.LightningModule):
             loss = self.pipeline.train_step(inputs, targets, plan.accumulation)
             if plan.ends_optimizer_step(batch_idx):
                 self.pipeline.finish_gradients()
-                # rank 0's (the first stage's) share of the step spent waiting on the other stages, and the schedule's
-                self.log("pipeline/bubble", self.pipeline.bubble())
-                self.log("pipeline/bubble_theory",
-                         theoretical_bubble(plan.pipeline_parallel_size, plan.pipeline_microbatches,
-                                            plan.stages_per_rank))
         else:
             logits = self.model(inputs)
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)

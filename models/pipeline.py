@@ -47,7 +47,7 @@ def theoretical_bubble(ranks: int, n_microbatches: int, stages_per_rank: int = 1
 
 class TimedStage(PipelineStage):
     """A PipelineStage that adds up the time it computes (forward and backward of its chunks), so that the time it
-    waits on its neighbours is the rest of the step: the measured pipeline bubble."""
+    waits on its neighbours is the rest of the schedule's: the measured pipeline bubble (app/monitoring.py)."""
 
     busy_seconds = 0.0
 
@@ -90,7 +90,7 @@ class Pipeline:
         local = self.stages[0] if len(self.stages) == 1 else self.stages
         self.schedule = SCHEDULES[schedule](local, n_microbatches, loss_fn=self._loss, scale_grads=False)
         self._loss_denominator = 1.0
-        self.step_seconds = 0.0
+        self.schedule_seconds = 0.0  # inside training schedules since the start; compute_seconds is the busy part
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
@@ -107,7 +107,7 @@ class Pipeline:
         start = time.perf_counter()
         self.schedule.step(inputs if self.has_first else None, target=targets if self.has_last else None,
                            losses=losses, return_outputs=False)
-        self.step_seconds += time.perf_counter() - start
+        self.schedule_seconds += time.perf_counter() - start
         return self._shared_loss(losses, accumulation)
 
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,13 +115,18 @@ class Pipeline:
         tokens = (targets != IGNORE_INDEX).sum().clamp(min=1)
         self._loss_denominator = tokens.item()
         losses: list[torch.Tensor] = []
+        busy = [stage.busy_seconds for stage in self.stages]
         self.schedule.eval(inputs if self.has_first else None, target=targets if self.has_last else None,
                            losses=losses)
+        for stage, seconds in zip(self.stages, busy):  # validation is not training time
+            stage.busy_seconds = seconds
         return self._shared_loss(losses, 1), tokens
 
     def _shared_loss(self, losses: list[torch.Tensor], scale: int) -> torch.Tensor:
         """The last stage's loss, summed from its chunks, on every pipeline rank: one all-reduce of one number."""
-        loss = torch.stack(losses).sum().detach() * scale if losses else torch.zeros((), device=self.device)
+        # float32 on every rank, whatever the default dtype (bf16-true sets it to bfloat16 around the step)
+        loss = (torch.stack(losses).float().sum().detach() * scale if losses
+                else torch.zeros((), dtype=torch.float32, device=self.device))
         dist.all_reduce(loss, group=self.group)
         return loss
 
@@ -141,14 +146,10 @@ class Pipeline:
             return parameters
         return [param for param in parameters if param is not self.tied_weight]
 
-    def bubble(self) -> float:
-        """The share of the steps since the last call that this rank spent waiting rather than computing."""
-        busy = sum(stage.busy_seconds for stage in self.stages)
-        measured = 1.0 - busy / self.step_seconds if self.step_seconds else 0.0
-        for stage in self.stages:
-            stage.busy_seconds = 0.0
-        self.step_seconds = 0.0
-        return measured
+    @property
+    def compute_seconds(self) -> float:
+        """Seconds this rank's stages have computed in training schedules since the start."""
+        return sum(stage.busy_seconds for stage in self.stages)
 
 
 def tied_embedding_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:

@@ -44,6 +44,8 @@ GPU_LAYOUTS = {  # the shipped GPU presets on 1 or 2 GPUs
     "fsdp-2": ["-c", str(CONFIG_DIR / "trainer/fsdp_gpu_bf16.yaml"), "--trainer.devices", "2"],
     "model_parallel-2": ["-c", str(CONFIG_DIR / "trainer/model_parallel_gpu_bf16.yaml"), "--trainer.devices", "2",
                          "--trainer.strategy.init_args.data_parallel_size", "2"],
+    "pipeline-2": ["-c", str(CONFIG_DIR / "trainer/pipeline_gpu_bf16.yaml"), "--trainer.devices", "2",
+                   "--trainer.strategy.init_args.data_parallel_size", "1"],
 }
 PRECISIONS = ["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 CLIPPED_STEPS = 6

@@ -29,6 +29,7 @@ def test_configs_exist() -> None:
 REFUSED = {
     ("quickstart.yaml", "model_parallel_gpu_bf16"): "data.global_batch_size=32 is not a multiple of data.micro_batch_size=16 x 8",
     ("quickstart.yaml", "multinode_gpu_bf16"): "data.global_batch_size=32 is not a multiple of data.micro_batch_size=16 x 16",
+    ("quickstart.yaml", "pipeline_gpu_bf16"): "data.global_batch_size=32 is not a multiple of data.micro_batch_size=16 x 4",
     ("gpt-6.7b/pretrain.yaml", "fsdp_gpu_bf16"): "model.activation_checkpointing is for DDP and model_parallel",
 }
 

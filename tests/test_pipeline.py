@@ -8,10 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
 
+from core.errors import UserError
+from core.run_plan import RunPlan
 from tests.helpers import (
     CONFIG_DIR, MODEL_PARALLEL, QUIET, assert_one_line_error, assert_sharded_resume_after_sigkill_is_bitwise_exact,
-    assert_weights_close, fit, last_checkpoint, last_checkpoint_weights, run_cohort, scalars, validate,
+    assert_weights_close, fit, last_checkpoint, last_checkpoint_weights, one_line_error, run_cohort, scalars, validate,
 )
 
 pytestmark = pytest.mark.slow
@@ -56,6 +60,22 @@ def test_pipeline_trains_as_one_process_does(one_process_comparable_run: Path, p
     assert_trains_as_one_process_does(one_process_comparable_run, pipelined_runs[name])
 
 
+def test_the_monitor_measures_each_ranks_bubble_beside_the_theory(pipelined_runs: dict[str, Path]) -> None:
+    """1F1B with 4 pipeline micro-batches on 2 stages: theory 1 / 5; each rank computes for part of the pipeline's
+    time and waits on the other for the rest, and the custom-scalars layout draws both ranks with the theory."""
+    run = pipelined_runs["1F1B"]
+    assert scalars(run, "monitor/pipeline_bubble_theory") == pytest.approx([0.2] * 4)
+    for rank in (0, 1):
+        assert all(0 < bubble < 1 for bubble in scalars(run, f"monitor/pipeline_bubble/rank{rank}"))
+        assert all(wait > 0 for wait in scalars(run, f"monitor/pipeline_wait_s/rank{rank}"))
+    events = EventAccumulator(str(run / "lightning_logs" / "version_0"), size_guidance={"tensors": 0})
+    events.Reload()
+    layout = layout_pb2.Layout.FromString(events.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    charts = {chart.title: list(chart.multiline.tag) for category in layout.category for chart in category.chart}
+    assert charts["pipeline bubble — every rank and theory"] == [r"monitor/pipeline_bubble/rank\d+$",
+                                                                r"monitor/pipeline_bubble_theory$"]
+
+
 def test_interleaved_pipeline_trains_as_one_process_does(tmp_path: Path, comparable_run_args: list[str]) -> None:
     """Interleaved 1F1B: the small model's 4 blocks as 4 stages, 2 on each rank (0 and 2, 1 and 3)."""
     one_process = fit(tmp_path / "one_process", comparable_run_args, *SMALL)
@@ -91,19 +111,35 @@ def test_pipelined_resume_after_sigkill_is_bitwise_exact(tmp_path: Path, compara
     assert_sharded_resume_after_sigkill_is_bitwise_exact(tmp_path, run)
 
 
-def test_pipeline_mistakes_get_one_line(tmp_path: Path, comparable_run_args: list[str]) -> None:
+def test_pipeline_mistakes_get_one_line(tmp_path: Path, comparable_run_args: list[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each before any process starts: in this process (fast), and one as a user runs it, end to end."""
+    monkeypatch.chdir(tmp_path)
     cases = [
         (["--trainer.strategy.init_args.data_parallel_size", "2"],
          "pipeline_parallel_size=2 x data_parallel_size=2 x tensor_parallel_size=1 must equal the world size 2"),
         (["--trainer.strategy.init_args.pipeline_parallel_size", "3", "--trainer.devices", "3"],
          "pipeline_parallel_size=3 (1F1B) makes 3 stages, more than model 'debug' has blocks (2)"),
+        (["--trainer.strategy.init_args.pipeline_schedule", "Interleaved1F1B"],
+         "pipeline_parallel_size=2 (Interleaved1F1B) makes 4 stages, more than model 'debug' has blocks (2)"),
         (["--trainer.strategy.init_args.pipeline_microbatches", "1"],
          "pipeline_microbatches=1 is fewer than the 2 pipeline stages"),
         (["--trainer.strategy.init_args.pipeline_microbatches", "3"],
          "pipeline_microbatches=3 does not divide data.micro_batch_size=4"),
         (["--trainer.strategy.init_args.pipeline_schedule", "ZeroBubble"],
          "pipeline_schedule='ZeroBubble' is not a schedule: use one of GPipe, 1F1B, Interleaved1F1B"),
+        (["--trainer.strategy.init_args.save_distributed_checkpoint", "false"],
+         "save_distributed_checkpoint=false would gather one stage's weights only"),
     ]
     for extra, expected in cases:
-        assert_one_line_error(["fit", *comparable_run_args, *QUIET, *PIPELINE, *extra], tmp_path, expected)
-    assert_one_line_error(["predict", *comparable_run_args, *QUIET, *PIPELINE], tmp_path, "run cohort consolidate on the checkpoint")
+        assert expected in one_line_error(["fit", *comparable_run_args, *QUIET, *PIPELINE, *extra], monkeypatch)
+    assert_one_line_error(["predict", *comparable_run_args, *QUIET, *PIPELINE], tmp_path,
+                          "run cohort consolidate on the checkpoint")
+
+
+def test_16_mixed_is_refused_with_pipeline_stages() -> None:
+    """On GPUs (on CPUs 16-mixed already runs as bf16-mixed, so the plan never sees it)."""
+    with pytest.raises(UserError, match="16-mixed: the pipeline runs its own backward"):
+        RunPlan(devices_per_node=2, num_nodes=1, data_parallel_size=1, tensor_parallel_size=1, global_batch_size=8,
+                micro_batch_size=4, sequence_length=64, precision="16-mixed", seed=1, pipeline_parallel_size=2,
+                pipeline_microbatches=2)

@@ -38,17 +38,18 @@ CPU_LAYOUTS = {
     "ddp-2": ["-c", str(CONFIG_DIR / "trainer/ddp_cpu.yaml")],
     "model_parallel-2": ["-c", str(CONFIG_DIR / "trainer/model_parallel_cpu.yaml")],
 }
+PIPELINE_LAYOUT = {"pipeline-2": ["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")]}  # bfloat16 only here
 ON_CPU = ["--trainer.accelerator", "cpu"]
 GPU_PRESETS_ON_CPU = {layout: [*GPU_LAYOUTS[gpu_layout], *ON_CPU]
                       for layout, gpu_layout in {"1 process": "1 gpu", "ddp-2": "ddp-2",
-                                                 "model_parallel-2": "model_parallel-2"}.items()}
+                                                 "model_parallel-2": "model_parallel-2", "pipeline-2": "pipeline-2"}.items()}
 
 
 def layout_preset(precision: str, layout: str) -> list[str]:
     """The shipped preset where one ships this precision (32-true: the CPU presets; bf16-mixed: the GPU ones)."""
     if precision == "bf16-mixed":
         return GPU_PRESETS_ON_CPU[layout]
-    return [*CPU_LAYOUTS[layout], "--trainer.precision", precision]
+    return [*{**CPU_LAYOUTS, **PIPELINE_LAYOUT}[layout], "--trainer.precision", precision]
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,12 @@ def test_two_processes_train_as_one_does_in_each_precision(trained: Callable[[st
                                                            layout: str) -> None:
     """Same global batch, so the same training (see assert_trains_as_one_does)."""
     assert_trains_as_one_does(trained(precision, "1 process"), trained(precision, layout), precision)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_a_pipeline_trains_as_one_process_does_in_bfloat16(trained: Callable[[str, str], Path], precision: str) -> None:
+    """The pipeline presets' other precisions (float32 is tests/test_pipeline.py's; 16-mixed is refused)."""
+    assert_trains_as_one_does(trained(precision, "1 process"), trained(precision, "pipeline-2"), precision)
 
 
 def test_16_mixed_on_cpu_says_it_runs_as_bf16(trained: Callable[[str, str], Path]) -> None:

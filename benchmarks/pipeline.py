@@ -1,0 +1,186 @@
+"""Pipeline parallelism at pp=2 on CPU (gloo, 1 thread per process), side by side with one process:
+
+    python -m benchmarks.pipeline                 # all three; about 3 minutes on 2 idle cores
+    python -m benchmarks.pipeline --part memory   # or bubble, or speed
+
+- memory: the bytes of parameters + gradients + AdamW state each rank holds after one optimizer step, for the
+  gpt2 shape with the byte vocabulary (256) and with GPT-2's own (50257), the stages built as the app builds
+  them (models/parallelize.py, models/pipeline.py). Goal (issue #10): the larger stage <= 0.55 x one process.
+- bubble: each rank's share of the pipeline's time in which it did not compute (1 - its forward and backward
+  compute / the longest time a rank spent in the schedule, as the monitor logs it) for m = 2, 4, 8 pipeline
+  micro-batches under GPipe and 1F1B, against (p - 1) / (m + p - 1). Goal: within 0.05 once a pipeline
+  micro-batch computes for a few ms.
+- speed: the time of one micro batch's forward and backward through the pipeline against the same on one
+  process, and where the pipeline's time goes (compute and waiting per rank).
+
+Every number is a median over the timed steps that follow warm-up steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from models.gpt import GPTConfig, gpt_config
+from models.language_model import weight_decay_groups
+from models.parallelize import build_gpt
+from models.pipeline import Pipeline, rank_stages, theoretical_bubble
+
+SEED = 1337
+# wide enough that one pipeline micro-batch (2 samples x 128 tokens through 2 blocks) computes for several ms
+TIMING_CONFIG = GPTConfig(n_layer=4, n_head=8, n_embd=512, block_size=128, vocab_size=256)
+WARMUP_STEPS, TIMED_STEPS = 2, 6
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def spawn(function: Callable, *args: object) -> dict:
+    """Run ``function(rank, port, *args, results)`` on 2 gloo processes; returns what they put in ``results``."""
+    results = mp.Manager().dict()
+    mp.spawn(function, args=(free_port(), *args, results), nprocs=2)
+    return dict(results)
+
+
+def pipeline_of(rank: int, port: int, config: GPTConfig, schedule: str, microbatches: int) -> Pipeline:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("pipeline_parallel", "data_parallel", "tensor_parallel"))
+    spans = rank_stages(config.n_layer, mesh, 1)
+    stages = [build_gpt(config, torch.device("cpu"), SEED, mesh, stage=span) for span in spans]
+    return Pipeline(stages, spans, mesh, torch.device("cpu"), schedule, microbatches)
+
+
+def batch(config: GPTConfig, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, config.vocab_size, (samples, config.block_size + 1), generator=torch.Generator().manual_seed(0))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Parameters, gradients and the optimizer's moments: what a rank must hold between steps."""
+    def size(tensor: torch.Tensor) -> int:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return local.numel() * local.element_size()
+    parameters = sum(size(p) + (size(p.grad) if p.grad is not None else 0) for p in model.parameters())
+    return parameters + sum(size(value) for state in optimizer.state.values() for value in state.values()
+                            if isinstance(value, torch.Tensor) and value.dim() > 0)
+
+
+def memory_on_rank(rank: int, port: int, config: GPTConfig, results: dict) -> None:
+    pipeline = pipeline_of(rank, port, config, "1F1B", 2)
+    model = pipeline.stages[0].submod
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=1e-4)
+    pipeline.train_step(*batch(config, 2), accumulation=1)
+    pipeline.finish_gradients()
+    optimizer.step()  # gradients kept, so that they are counted
+    results[rank] = held_bytes(model, optimizer)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def memory() -> None:
+    print("memory: parameters + gradients + AdamW moments per rank, gpt2 shape, pp=2 vs 1 process")
+    for vocab in (256, 50257):
+        config = gpt_config("gpt2", vocab_size=vocab)
+        config = GPTConfig(**{**config.__dict__, "block_size": 64})  # short sequences: only the state matters here
+        whole = build_gpt(config, torch.device("cpu"), SEED)
+        optimizer = torch.optim.AdamW(weight_decay_groups(whole, 0.1), lr=1e-4)
+        inputs, targets = batch(config, 2)
+        F.cross_entropy(whole(inputs).flatten(0, 1), targets.flatten()).backward()
+        optimizer.step()
+        one = held_bytes(whole, optimizer)
+        del whole, optimizer
+        ranks = spawn(memory_on_rank, config)
+        print(f"  vocabulary {vocab:>6}: 1 process {one / 2**20:,.0f} MiB; rank 0 {ranks[0] / 2**20:,.0f} MiB "
+              f"({ranks[0] / one:.3f}x), rank 1 {ranks[1] / 2**20:,.0f} MiB ({ranks[1] / one:.3f}x); "
+              f"larger stage {max(ranks.values()) / one:.3f}x")
+
+
+def timed_steps(step: Callable[[], None]) -> list[float]:
+    for _ in range(WARMUP_STEPS):
+        step()
+    times = []
+    for _ in range(TIMED_STEPS):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def pipeline_timing_on_rank(rank: int, port: int, schedule: str, microbatches: int, samples: int, results: dict) -> None:
+    pipeline = pipeline_of(rank, port, TIMING_CONFIG, schedule, microbatches)
+    inputs, targets = batch(TIMING_CONFIG, samples)
+    bubbles, busy = [], []
+
+    def step() -> None:  # the monitor's measure (app/monitoring.py): 1 - compute / the longest schedule time
+        compute, scheduled = pipeline.compute_seconds, pipeline.schedule_seconds
+        pipeline.train_step(inputs, targets, accumulation=1)
+        times = torch.tensor([pipeline.compute_seconds - compute, pipeline.schedule_seconds - scheduled])
+        gathered = [torch.empty_like(times) for _ in range(2)]
+        dist.all_gather(gathered, times)
+        busy.append(times[0].item())
+        bubbles.append(1 - times[0].item() / max(rank_times[1].item() for rank_times in gathered))
+
+    times = timed_steps(step)
+    results[rank] = {"step": statistics.median(times), "bubble": statistics.median(bubbles[WARMUP_STEPS:]),
+                     "busy": statistics.median(busy[WARMUP_STEPS:])}
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bubble() -> None:
+    print(f"bubble at pp=2, 2 samples x {TIMING_CONFIG.block_size} tokens per pipeline micro-batch, "
+          f"width {TIMING_CONFIG.n_embd}, 2 blocks per stage (measured per rank vs theory)")
+    for schedule in ("GPipe", "1F1B"):
+        for microbatches in (2, 4, 8):
+            ranks = spawn(pipeline_timing_on_rank, schedule, microbatches, 2 * microbatches)
+            theory = theoretical_bubble(2, microbatches)
+            compute_ms = 1000 * ranks[0]["busy"] / microbatches
+            print(f"  {schedule:>5} m={microbatches}: theory {theory:.3f}; measured rank 0 {ranks[0]['bubble']:.3f} "
+                  f"({ranks[0]['bubble'] - theory:+.3f}), rank 1 {ranks[1]['bubble']:.3f} "
+                  f"({ranks[1]['bubble'] - theory:+.3f}); rank 0 computes {compute_ms:.1f} ms per pipeline micro-batch")
+
+
+def speed() -> None:
+    samples, microbatches = 16, 8
+    torch.set_num_threads(1)
+    whole = build_gpt(TIMING_CONFIG, torch.device("cpu"), SEED)
+    inputs, targets = batch(TIMING_CONFIG, samples)
+
+    def one_process_step() -> None:
+        F.cross_entropy(whole(inputs).flatten(0, 1), targets.flatten()).backward()
+
+    one = statistics.median(timed_steps(one_process_step))
+    ranks = spawn(pipeline_timing_on_rank, "1F1B", microbatches, samples)
+    pipelined = max(rank["step"] for rank in ranks.values())
+    print(f"speed: micro batch of {samples} x {TIMING_CONFIG.block_size} tokens, forward + backward, 1 thread per process")
+    print(f"  1 process {one * 1000:.0f} ms; pp=2 1F1B m={microbatches} {pipelined * 1000:.0f} ms: ratio "
+          f"{pipelined / one:.3f} (ideal with this bubble {0.5 / (1 - theoretical_bubble(2, microbatches)):.3f})")
+    for rank, timing in sorted(ranks.items()):
+        print(f"  rank {rank}: computes {timing['busy'] * 1000:.0f} ms, idle {(pipelined - timing['busy']) * 1000:.0f} ms "
+              f"of the pipeline's {pipelined * 1000:.0f} ms")
+
+
+PARTS = {"memory": memory, "bubble": bubble, "speed": speed}
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=[*PARTS, "all"], default="all")
+    chosen = parser.parse_args().part
+    for name, part in PARTS.items():
+        if chosen in (name, "all"):
+            part()
