@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from jsonargparse import Namespace
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Trainer
@@ -158,11 +159,21 @@ def run_cli(args: list[str] | None) -> None:
     """The Lightning subcommands; a run stopped by a signal exits non-zero, saying how to resume."""
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(without_advertisements)  # rank_zero_info's
     cli = CohortCLI(args=args)
+    leave_process_group()
     preemption = preemption_callback(cli.trainer)
     if preemption is not None and (message := preemption.stop_message(cli.trainer)):
         if cli.trainer.is_global_zero:
             print(f"cohort: {message}", file=sys.stderr)
         sys.exit(128 + preemption.stopped_by)
+
+
+def leave_process_group() -> None:
+    """Every rank, having finished its command, tears the process groups down together. Left to the interpreter's
+    exit, gloo's threads can outlive what they point to and abort the process ("terminate called without an active
+    exception") after a run that succeeded (seen with the pipeline's groups)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 USER_ERRORS = (UserError, MisconfigurationException, ReplicaDivergenceError)  # what a user can fix: one line

@@ -140,6 +140,7 @@ class RankMonitor(Callback):
         self.straggler_events = 0
         self._sync_measured = False  # set at train start: sync wait is timed (DDP on 2 ranks or more)
         self._pipeline: Any = None  # set at train start: the module's Pipeline (models/pipeline.py), if any
+        self._cuda = False  # set at train start: the device is a GPU
         self._slow_windows: dict[int, int] = {}
         self._data_wait_warned = False
 
@@ -291,8 +292,8 @@ class RankMonitor(Callback):
         }
         metrics["throughput/mfu"] = tflops / (self.peak * trainer.world_size)
         for name in FIELDS[:-2]:
-            if name in PIPELINE_FIELDS and self._pipeline is None:
-                continue
+            if (name in PIPELINE_FIELDS and self._pipeline is None) or (name.startswith("cuda") and not self._cuda):
+                continue  # series that would be all zeros on this run
             values = window[name]
             metrics.update({f"monitor/{name}/min": min(values), f"monitor/{name}/median": statistics.median(values),
                             f"monitor/{name}/max": max(values)})

@@ -48,8 +48,8 @@ class RunPlan:
                         if self.pipeline_parallel_size > 1 else "")
             raise UserError(
                 f"{pipeline}data_parallel_size={self.data_parallel_size} x tensor_parallel_size="
-                f"{self.tensor_parallel_size} must equal the world size {self.world_size} ({self.devices_per_node} devices x {self.num_nodes} "
-                "nodes): change the sizes in trainer.strategy.init_args or the devices"
+                f"{self.tensor_parallel_size} must equal the world size {self.world_size} ({self.devices_per_node} "
+                f"devices x {self.num_nodes} nodes): change the sizes in trainer.strategy.init_args or the devices"
             )
         per_pass = self.micro_batch_size * self.data_parallel_size
         if self.global_batch_size % per_pass != 0:
@@ -76,8 +76,8 @@ class RunPlan:
                             f"least {self.pipeline_parallel_size} (more shrink the bubble)")
         rounds = self.pipeline_microbatches // self.pipeline_parallel_size
         if self.stages_per_rank > 1 and self.pipeline_microbatches % rounds != 0:
-            raise UserError(f"{field}.pipeline_microbatches={self.pipeline_microbatches}: the interleaved schedule runs "
-                            f"them in {rounds} rounds, which must divide them: use a multiple of "
+            raise UserError(f"{field}.pipeline_microbatches={self.pipeline_microbatches}: the interleaved schedule "
+                            f"runs them in {rounds} rounds, which must divide them: use a multiple of "
                             f"pipeline_parallel_size={self.pipeline_parallel_size}")
         if self.micro_batch_size % self.pipeline_microbatches != 0:
             raise UserError(f"{field}.pipeline_microbatches={self.pipeline_microbatches} does not divide "
@@ -125,8 +125,9 @@ class RunPlan:
         pipeline = ""
         if self.pipeline_parallel_size > 1:
             stages = self.pipeline_parallel_size * self.stages_per_rank
-            pipeline = (f"; {stages} pipeline stages on {self.pipeline_parallel_size} ranks ({self.pipeline_schedule}), "
-                        f"each micro batch cut into {self.pipeline_microbatches} pipeline micro-batches")
+            pipeline = (f"; {stages} pipeline stages on {self.pipeline_parallel_size} ranks "
+                        f"({self.pipeline_schedule}), each micro batch cut into {self.pipeline_microbatches} "
+                        "pipeline micro-batches")
         return (f"global batch {self.global_batch_size} = micro batch {self.micro_batch_size} x "
                 f"{self.data_parallel_size} data-parallel ranks x {self.accumulation} accumulation steps; "
                 f"{self.tokens_per_step:,} tokens per optimizer step{pipeline}")

@@ -2,8 +2,9 @@
 
 ``build_gpt`` creates the model on the meta device (no memory, whatever its size), keeps only this rank's
 pipeline stage, applies tensor parallelism, activation checkpointing, compile and FSDP2 in that order, then
-materialises this rank's shards and initialises them. Each parameter's initial value is drawn whole from a generator seeded by (seed, parameter name) and each
-rank keeps its own slice, so one seed gives the same model under any strategy and world size.
+materialises this rank's shards and initialises them. Each parameter's initial value is drawn whole from a
+generator seeded by (seed, parameter name) and each rank keeps its own slice, so one seed gives the same model
+under any strategy, world size and pipeline split.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def merge_stages(stages: list[GPT]) -> GPT:
         merged = GPT(stages[0].config)
     merged.blocks = nn.ModuleDict({name: block for stage in stages for name, block in stage.blocks.items()})
     for part in ("wte", "wpe", "ln_f", "lm_head"):
-        setattr(merged, part, next((getattr(stage, part) for stage in stages if getattr(stage, part) is not None), None))
+        held = [getattr(stage, part) for stage in stages if getattr(stage, part) is not None]
+        setattr(merged, part, held[0] if held else None)
     return merged
 
 

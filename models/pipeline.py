@@ -1,7 +1,7 @@
 """Pipeline parallelism for the GPT with ``torch.distributed.pipelining``: this rank's stages (one, or two under
-the interleaved schedule), the schedule that runs every pipeline micro-batch's forward and backward through them, and the two things a pipeline adds to a
-training step, both over the pipeline ranks: the tied embedding's gradient summed between the first and the last
-stage, and the gradient norm summed over all stages before clipping.
+the interleaved schedule), the schedule that runs every pipeline micro-batch's forward and backward through them,
+and the two things a pipeline adds to a training step, both over the pipeline ranks: the tied embedding's gradient
+summed between the first and the last stage, and the gradient norm summed over all stages before clipping.
 
 A stage is the GPT with the other stages' parts removed (``models.parallelize.keep_stage``), so parameter names,
 checkpoints and optimizer states are the unsplit model's. Nothing here knows about Lightning: the LightningModule
@@ -47,19 +47,38 @@ def theoretical_bubble(ranks: int, n_microbatches: int, stages_per_rank: int = 1
 
 class TimedStage(PipelineStage):
     """A PipelineStage that adds up the time it computes (forward and backward of its chunks), so that the time it
-    waits on its neighbours is the rest of the schedule's: the measured pipeline bubble (app/monitoring.py)."""
+    waits on its neighbours is the rest of the schedule's: the measured pipeline bubble (app/monitoring.py). On
+    GPUs the chunks are timed with CUDA events, read when ``busy_seconds`` is, so timing never stalls the stream."""
 
-    busy_seconds = 0.0
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._busy = 0.0
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @property
+    def busy_seconds(self) -> float:
+        for start, end in self._pending:
+            end.synchronize()
+            self._busy += start.elapsed_time(end) / 1000
+        self._pending.clear()
+        return self._busy
+
+    @busy_seconds.setter
+    def busy_seconds(self, seconds: float) -> None:
+        self._pending.clear()
+        self._busy = seconds
 
     def _timed(self, run: Callable[[], Any]) -> Any:
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)  # the host's clock sees only launches otherwise
-        start = time.perf_counter()
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = run()
+            end.record()
+            self._pending.append((start, end))
+            return result
+        start_time = time.perf_counter()
         result = run()
-        if cuda:
-            torch.cuda.synchronize(self.device)
-        self.busy_seconds += time.perf_counter() - start
+        self._busy += time.perf_counter() - start_time
         return result
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
@@ -89,7 +108,7 @@ class Pipeline:
         # micro-batches of the optimizer step; the loss below is scaled instead
         local = self.stages[0] if len(self.stages) == 1 else self.stages
         self.schedule = SCHEDULES[schedule](local, n_microbatches, loss_fn=self._loss, scale_grads=False)
-        self._loss_denominator = 1.0
+        self._loss_denominator: torch.Tensor | float = 1.0
         self.schedule_seconds = 0.0  # inside training schedules since the start; compute_seconds is the busy part
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -102,7 +121,7 @@ class Pipeline:
         are added to this stage's parameters' as if by ``(loss / accumulation).backward()`` on one process.
         Returns the micro-batch's mean loss on every pipeline rank."""
         tokens = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        self._loss_denominator = tokens.item() * accumulation  # each chunk adds its share of the mean
+        self._loss_denominator = tokens * accumulation  # each chunk adds its share of the mean (a tensor: no sync)
         losses: list[torch.Tensor] = []
         start = time.perf_counter()
         self.schedule.step(inputs if self.has_first else None, target=targets if self.has_last else None,
@@ -113,7 +132,7 @@ class Pipeline:
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean loss, token count) of the micro-batch, on every pipeline rank."""
         tokens = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        self._loss_denominator = tokens.item()
+        self._loss_denominator = tokens
         losses: list[torch.Tensor] = []
         busy = [stage.busy_seconds for stage in self.stages]
         self.schedule.eval(inputs if self.has_first else None, target=targets if self.has_last else None,

@@ -1,7 +1,7 @@
-"""``cohort fit`` with PipelineParallelStrategy on CPU processes (gloo): GPipe, 1F1B, interleaved 1F1B and 1F1B x
-FSDP2 train as one process does on the same global batch, with clipping that bites; a pipelined run resumes
-exactly after SIGKILL; its checkpoint validates alike on one process and resumes under FSDP2; pipeline mistakes
-get one line."""
+"""``cohort fit`` with PipelineParallelStrategy on CPU processes (gloo): GPipe, 1F1B, interleaved 1F1B, and 1F1B
+x FSDP2 and x tensor parallel train as one process does on the same global batch, with clipping that bites; a
+pipelined run resumes exactly after SIGKILL; its checkpoint validates alike on one process and resumes under
+FSDP2; the monitor measures the bubble; pipeline mistakes get one line."""
 
 from __future__ import annotations
 
@@ -29,17 +29,20 @@ def schedule(name: str, microbatches: int) -> list[str]:
 
 
 PIPELINE_X_FSDP2 = ["--trainer.devices", "4", "--trainer.strategy.init_args.data_parallel_size", "2"]
+PIPELINE_X_TENSOR_PARALLEL = ["--trainer.devices", "4", "--trainer.strategy.init_args.tensor_parallel_size", "2"]
 SMALL = ["--model.model_name", "small"]  # 4 blocks (4 heads): enough for 2 stages on each of 2 ranks
 
 
 @pytest.fixture(scope="module")
 def pipelined_runs(tmp_path_factory: pytest.TempPathFactory, comparable_run_args: list[str]) -> dict[str, Path]:
     """The debug model's 2 blocks as 2 stages, its micro batch of 4 cut into 2 (GPipe) or 4 (1F1B) pieces; and
-    1F1B on 4 processes: 2 stages x FSDP2 over 2 data-parallel ranks."""
+    1F1B on 4 processes: 2 stages x FSDP2 over 2 data-parallel ranks, and 2 stages x tensor parallel over 2."""
     return {"GPipe": fit(tmp_path_factory.mktemp("GPipe"), comparable_run_args, *schedule("GPipe", 2)),
             "1F1B": fit(tmp_path_factory.mktemp("1F1B"), comparable_run_args, *schedule("1F1B", 4)),
             "1F1B x FSDP2": fit(tmp_path_factory.mktemp("pp_dp"), comparable_run_args, *schedule("1F1B", 2),
-                                *PIPELINE_X_FSDP2)}
+                                *PIPELINE_X_FSDP2),
+            "1F1B x TP": fit(tmp_path_factory.mktemp("pp_tp"), comparable_run_args, *schedule("1F1B", 2),
+                             *PIPELINE_X_TENSOR_PARALLEL)}
 
 
 def assert_trains_as_one_process_does(one_process: Path, run: Path, n_head: int = 2) -> None:
@@ -54,7 +57,7 @@ def assert_trains_as_one_process_does(one_process: Path, run: Path, n_head: int 
     assert_weights_close(last_checkpoint_weights(one_process), last_checkpoint_weights(run), rtol=1e-5, n_head=n_head)
 
 
-@pytest.mark.parametrize("name", ["GPipe", "1F1B", "1F1B x FSDP2"])
+@pytest.mark.parametrize("name", ["GPipe", "1F1B", "1F1B x FSDP2", "1F1B x TP"])
 def test_pipeline_trains_as_one_process_does(one_process_comparable_run: Path, pipelined_runs: dict[str, Path],
                                              name: str) -> None:
     assert_trains_as_one_process_does(one_process_comparable_run, pipelined_runs[name])
