@@ -111,6 +111,10 @@ def check_config(config: Namespace) -> RunPlan:
     )
     model_config = gpt_config(config.model.model_name, vocab_size=data.vocab_size)
     stages = pipeline * plan.stages_per_rank
+    if plan.pipeline_layers is not None and sum(plan.pipeline_layers) != model_config.n_layer:
+        raise UserError(f"trainer.strategy.init_args.pipeline_layers={list(plan.pipeline_layers)} adds up to "
+                        f"{sum(plan.pipeline_layers)} blocks, but model '{config.model.model_name}' has "
+                        f"{model_config.n_layer}: give every block to one stage")
     if stages > model_config.n_layer:
         raise UserError(f"pipeline_parallel_size={pipeline} ({plan.pipeline_schedule}) makes {stages} stages, more than "
                         f"model '{config.model.model_name}' has blocks ({model_config.n_layer}): use fewer stages")
@@ -171,8 +175,9 @@ def parallel_sizes(trainer: Namespace) -> tuple[int, int, int]:
             devices_per_node(trainer) if tensor_parallel == "auto" else int(tensor_parallel))
 
 
-def pipeline_options(trainer: Namespace) -> dict[str, str | int]:
-    """The schedule and the pipeline micro-batches PipelineParallelStrategy is given (its defaults otherwise)."""
+def pipeline_options(trainer: Namespace) -> dict[str, str | int | tuple[int, ...] | None]:
+    """The schedule, the pipeline micro-batches and the split PipelineParallelStrategy is given (its defaults
+    otherwise)."""
     if not strategy_name(trainer.strategy).endswith("PipelineParallelStrategy"):
         return {}
     options = trainer.strategy.init_args
@@ -180,8 +185,10 @@ def pipeline_options(trainer: Namespace) -> dict[str, str | int]:
         raise UserError("trainer.strategy.init_args.save_distributed_checkpoint=false would gather one stage's weights "
                         "only: pipelined runs save sharded checkpoints (cohort consolidate makes one file)")
     stages = int(getattr(options, "pipeline_parallel_size", 2))
+    layers = getattr(options, "pipeline_layers", None)
     return {"pipeline_schedule": str(getattr(options, "pipeline_schedule", "1F1B")),
-            "pipeline_microbatches": int(getattr(options, "pipeline_microbatches", None) or stages)}
+            "pipeline_microbatches": int(getattr(options, "pipeline_microbatches", None) or stages),
+            "pipeline_layers": None if layers is None else tuple(int(count) for count in layers)}
 
 
 def check_strategy(strategy: str | Namespace | None, accelerator: str) -> None:

@@ -28,6 +28,7 @@ class PipelineParallelStrategy(ModelParallelStrategy):
         tensor_parallel_size: int = 1,
         pipeline_schedule: str = "1F1B",
         pipeline_microbatches: int | None = None,
+        pipeline_layers: list[int] | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -40,6 +41,9 @@ class PipelineParallelStrategy(ModelParallelStrategy):
             pipeline_schedule: "1F1B" (one forward, one backward: fewer activations held) or "GPipe" (all
                 forwards, then all backwards).
             pipeline_microbatches: pipeline micro-batches per micro batch; null means one per stage.
+            pipeline_layers: blocks of each stage, in stage order (e.g. [5, 7]: fewer where the embeddings or a
+                large head already weigh); null balances them by count, counting the embeddings and the head
+                as one block each.
             save_distributed_checkpoint, process_group_backend, timeout: as ModelParallelStrategy's (the
                 pre-flight checks keep save_distributed_checkpoint true: one file would hold rank 0's stage only).
         """
@@ -48,6 +52,7 @@ class PipelineParallelStrategy(ModelParallelStrategy):
         self.pipeline_parallel_size = pipeline_parallel_size
         self.pipeline_schedule = pipeline_schedule
         self.pipeline_microbatches = pipeline_microbatches or pipeline_parallel_size
+        self.pipeline_layers = pipeline_layers
 
     def setup_environment(self) -> None:
         self._setup_distributed()

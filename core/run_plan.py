@@ -34,6 +34,7 @@ class RunPlan:
     pipeline_parallel_size: int = 1  # pipeline stages, one per rank of a pipeline
     pipeline_schedule: str = "1F1B"  # the order of the pipeline micro-batches' forwards and backwards
     pipeline_microbatches: int = 1  # pipeline micro-batches each micro batch is cut into
+    pipeline_layers: tuple[int, ...] | None = None  # blocks of each stage, in stage order; None: balanced by count
 
     def __post_init__(self) -> None:
         check_ranges("trainer", {"devices": (self.devices_per_node >= 1, "at least 1 per node"),
@@ -83,6 +84,10 @@ class RunPlan:
             raise UserError(f"{field}.pipeline_microbatches={self.pipeline_microbatches} does not divide "
                             f"data.micro_batch_size={self.micro_batch_size}: each micro batch is cut into that many "
                             "equal pipeline micro-batches; choose a divisor, or another micro batch")
+        stages = self.pipeline_parallel_size * self.stages_per_rank
+        if self.pipeline_layers is not None and (len(self.pipeline_layers) != stages or min(self.pipeline_layers) < 1):
+            raise UserError(f"{field}.pipeline_layers={list(self.pipeline_layers)} must give each of the {stages} stages "
+                            "at least one block, in stage order (or be null to balance them by count)")
         if self.precision == "16-mixed":
             raise UserError("trainer.precision=16-mixed: the pipeline runs its own backward, which fp16's loss "
                             "scaler cannot scale; use bf16-mixed or 32-true with pipeline stages")

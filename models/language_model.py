@@ -125,7 +125,7 @@ class GPTLanguageModel(L.LightningModule):
         plan = run_plan_of(self) if trainer is not None else None
         spans = [None]  # the whole model, or this rank's pipeline stages
         if plan is not None and plan.pipeline_parallel_size > 1:
-            spans = rank_stages(self.config.n_layer, self.device_mesh, plan.stages_per_rank)
+            spans = rank_stages(self.config.n_layer, self.device_mesh, plan.stages_per_rank, plan.pipeline_layers)
         stages = [build_gpt(
             self.config,
             device=device,

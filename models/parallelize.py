@@ -45,11 +45,19 @@ class StageSpan:
         return self.index == self.num_stages - 1
 
 
-def split_layers(n_layer: int, num_stages: int) -> list[StageSpan]:
-    """Blocks balanced over the stages by count, where the embeddings and the head each count as one block (as
-    torchtitan does): the first and last stages get one block fewer than the middle ones when that evens out."""
+def split_layers(n_layer: int, num_stages: int, layers: tuple[int, ...] | None = None) -> list[StageSpan]:
+    """The blocks of each stage: ``layers`` blocks each, in order, if given; else balanced over the stages by count,
+    where the embeddings and the head each count as one block (as torchtitan does): the first and last stages get
+    one block fewer than the middle ones when that evens out."""
     if not 1 <= num_stages <= n_layer:
         raise ValueError(f"{num_stages} pipeline stages for {n_layer} blocks: every stage needs at least one block")
+    if layers is not None:
+        if len(layers) != num_stages or sum(layers) != n_layer or min(layers) < 1:
+            raise ValueError(f"pipeline layers {list(layers)}: {num_stages} stages of at least one block, adding up "
+                             f"to {n_layer}")
+        starts = [sum(layers[:stage]) for stage in range(num_stages + 1)]
+        return [StageSpan(index, num_stages, range(start, end))
+                for index, (start, end) in enumerate(zip(starts, starts[1:]))]
     units = n_layer + 2  # the embeddings, the blocks, the head
     bounds = [round(stage * units / num_stages) for stage in range(num_stages + 1)]
     # unit u is block u - 1; clamp so that the embeddings and the head take no block's place

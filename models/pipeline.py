@@ -30,12 +30,13 @@ from models.parallelize import StageSpan, split_layers
 SCHEDULES: dict[str, type] = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
 
 
-def rank_stages(n_layer: int, mesh: DeviceMesh, stages_per_rank: int) -> list[StageSpan]:
-    """This rank's stages, in the "loop" order of the interleaved schedules: pipeline rank r of p runs stages r,
-    r + p, r + 2p, ... (one stage per rank without interleaving)."""
+def rank_stages(n_layer: int, mesh: DeviceMesh, stages_per_rank: int,
+                layers: tuple[int, ...] | None = None) -> list[StageSpan]:
+    """This rank's stages (``layers`` blocks each, if given), in the "loop" order of the interleaved schedules:
+    pipeline rank r of p runs stages r, r + p, r + 2p, ... (one stage per rank without interleaving)."""
     pipeline_mesh = mesh["pipeline_parallel"]
     ranks, rank = pipeline_mesh.size(), pipeline_mesh.get_local_rank()
-    stages = split_layers(n_layer, ranks * stages_per_rank)
+    stages = split_layers(n_layer, ranks * stages_per_rank, layers)
     return [stages[rank + round_ * ranks] for round_ in range(stages_per_rank)]
 
 

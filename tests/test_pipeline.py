@@ -8,11 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
 from core.errors import UserError
 from core.run_plan import RunPlan
+from models.gpt import GPT_CONFIGS
+from models.parallelize import build_gpt, split_layers
 from tests.helpers import (
     CONFIG_DIR, MODEL_PARALLEL, QUIET, assert_one_line_error, assert_sharded_resume_after_sigkill_is_bitwise_exact,
     assert_weights_close, fit, last_checkpoint, last_checkpoint_weights, one_line_error, run_cohort, scalars, validate,
@@ -133,6 +136,10 @@ def test_pipeline_mistakes_get_one_line(tmp_path: Path, comparable_run_args: lis
          "pipeline_schedule='ZeroBubble' is not a schedule: use one of GPipe, 1F1B, Interleaved1F1B"),
         (["--trainer.strategy.init_args.save_distributed_checkpoint", "false"],
          "save_distributed_checkpoint=false would gather one stage's weights only"),
+        (["--trainer.strategy.init_args.pipeline_layers", "[2]"],
+         "pipeline_layers=[2] must give each of the 2 stages at least one block"),
+        (["--trainer.strategy.init_args.pipeline_layers", "[1, 2]"],
+         "pipeline_layers=[1, 2] adds up to 3 blocks, but model 'debug' has 2"),
     ]
     for extra, expected in cases:
         assert expected in one_line_error(["fit", *comparable_run_args, *QUIET, *PIPELINE, *extra], monkeypatch)
@@ -146,3 +153,30 @@ def test_16_mixed_is_refused_with_pipeline_stages() -> None:
         RunPlan(devices_per_node=2, num_nodes=1, data_parallel_size=1, tensor_parallel_size=1, global_batch_size=8,
                 micro_batch_size=4, sequence_length=64, precision="16-mixed", seed=1, pipeline_parallel_size=2,
                 pipeline_microbatches=2)
+
+
+def test_stages_split_the_blocks_by_count_or_as_given() -> None:
+    """The embeddings and the head count as one block each; an explicit split is taken as it is."""
+    def blocks(*args: object) -> list[list[int]]:
+        return [list(stage.layers) for stage in split_layers(*args)]
+    assert blocks(4, 2) == [[0, 1], [2, 3]]
+    assert blocks(4, 3) == [[0], [1, 2], [3]]  # the end stages carry the embeddings and the head
+    assert blocks(12, 4) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    assert blocks(4, 2, (1, 3)) == [[0], [1, 2, 3]]
+    with pytest.raises(ValueError, match="every stage needs at least one block"):
+        split_layers(2, 3)
+
+
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_stages_hold_the_whole_models_weights_under_its_names(num_stages: int) -> None:
+    """Built on the meta device and initialised stage by stage: each weight bitwise the one-process model's, every
+    name once across the stages but the tied embedding, which the last stage holds too."""
+    config = GPT_CONFIGS["small"]
+    whole = dict(build_gpt(config, torch.device("cpu"), seed=3).state_dict())
+    seen: dict[str, int] = {}
+    for span in split_layers(config.n_layer, num_stages):
+        for name, tensor in build_gpt(config, torch.device("cpu"), seed=3, stage=span).state_dict().items():
+            assert torch.equal(tensor, whole[name]), name
+            seen[name] = seen.get(name, 0) + 1
+    assert seen.keys() == whole.keys()
+    assert {name for name, count in seen.items() if count > 1} == {"wte.weight"}
