@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import (
     DDP_2, ONE_STEP, QUIET, REPO_ROOT, assert_weights_equal, batch_sizes, fit, free_port, last_checkpoint_weights,
-    run_in_process,
+    run_cohort, run_in_process,
 )
 
 pytestmark = pytest.mark.slow
@@ -190,3 +190,13 @@ def test_doctor_fails_when_slurm_tasks_do_not_match_the_config(tmp_path: Path, b
     # the run plan is the config's (1 process), as fit's: it passes, and the loader is timed for it
     assert "PASS  run plan" in result.stdout and "data loader" in result.stdout
     assert result.stderr.strip().splitlines()[-1] == "cohort doctor: 1 check(s) failed: world size"
+
+
+def test_doctor_checks_the_pipeline_arithmetic(tmp_path: Path, byte_corpus: Path) -> None:
+    """Stages against blocks, pipeline micro-batches against the micro batch: before the job, as fit checks them."""
+    result = run_cohort(["doctor", "-c", str(REPO_ROOT / "configs/quickstart.yaml"),
+                         "-c", str(REPO_ROOT / "configs/trainer/pipeline_cpu.yaml"), "--data.data_dir", str(byte_corpus),
+                         "--trainer.strategy.init_args.pipeline_microbatches", "3"], tmp_path, timeout=180)
+    assert result.returncode != 0
+    assert "FAIL  run plan" in result.stdout
+    assert "pipeline_microbatches=3 does not divide data.micro_batch_size=16" in result.stdout
