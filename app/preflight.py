@@ -21,6 +21,7 @@ from app.checkpoints import check_checkpoint, find_last_checkpoint
 from app.launch import parent_start_time, torchrun_restart
 from core.errors import UserError
 from core.run_plan import RunPlan
+from datamodules.prepare import DEFAULT_CORPUS_DIR
 from models.gpt import gpt_config
 from models.parallelize import check_tensor_parallel_size
 
@@ -84,6 +85,8 @@ class Preflight:
 
     def check_folders(self) -> str:
         folders = {"log folder": log_root(self.config.trainer), "checkpoint folder": self.config.checkpoint.dirpath}
+        if self.config.data.data_dir is None:  # the embedded corpus is built there on first use
+            folders["embedded corpus folder"] = DEFAULT_CORPUS_DIR
         for what, folder in folders.items():
             if folder is not None:
                 check_writable_folder(Path(folder), what)
@@ -257,6 +260,10 @@ def check_launch(trainer: Namespace) -> None:
 def check_writable_folder(folder: Path, what: str) -> Path:
     """A UserError unless ``folder`` is, or can be made as, a writable folder; creates nothing. Returns the nearest
     folder that exists (``folder`` itself or a parent), where its files will go."""
+    broken = next((parent for parent in (folder, *folder.parents) if parent.is_symlink() and not parent.exists()), None)
+    if broken is not None:
+        raise UserError(f"the {what} {folder} cannot be made: {broken} is a symbolic link to {os.readlink(broken)}, "
+                        "which does not exist: remove the link or make its target")
     existing = next(parent for parent in (folder, *folder.parents) if parent.exists())
     if not existing.is_dir():
         raise UserError(f"the {what} {folder} cannot be made: {existing} is a file, not a folder: point it at a folder")

@@ -65,6 +65,11 @@ def token_files_of_another_vocabulary(folder: Path) -> tuple[list[str], str]:
     return ["--data.data_dir", str(folder / "data"), "--data.vocab_size", "300"], "set data.vocab_size 256"
 
 
+def embedded_corpus_behind_a_broken_link(folder: Path) -> tuple[list[str], str]:
+    (folder / "data").symlink_to(folder / "moved_away")  # data/ was a link to a disk that is gone
+    return ["--data.data_dir", "null"], "data is a symbolic link to"
+
+
 def non_dividing_batch_sizes(folder: Path) -> tuple[list[str], str]:
     return batch_sizes(10, 4), "data.global_batch_size=10 is not a multiple"
 
@@ -100,6 +105,7 @@ BAD_INPUTS = [
         os.geteuid() == 0, reason="root reads any file, so an unreadable file cannot be made")),
     token_file_with_partial_token,
     token_files_of_another_vocabulary,
+    embedded_corpus_behind_a_broken_link,
     non_dividing_batch_sizes,
     unknown_model_name,
     impossible_precision_for_the_cpu,
