@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from app.checkpoints import check_checkpoint, find_last_checkpoint
 from app.launch import parent_start_time, torchrun_restart
-from core.errors import UserError
+from core.errors import UserError, check_writable_folder
 from core.run_plan import RunPlan
 from datamodules.prepare import DEFAULT_CORPUS_DIR
 from models.gpt import gpt_config
@@ -255,22 +255,6 @@ def check_launch(trainer: Namespace) -> None:
         raise UserError(f"{launcher} started {started} processes but trainer.devices={trainer.devices} x "
                         f"trainer.num_nodes={trainer.num_nodes} = {expected}: make the two agree (for srun: "
                         "--ntasks-per-node = devices, --nodes = num_nodes)")
-
-
-def check_writable_folder(folder: Path, what: str) -> Path:
-    """A UserError unless ``folder`` is, or can be made as, a writable folder; creates nothing. Returns the nearest
-    folder that exists (``folder`` itself or a parent), where its files will go."""
-    broken = next((parent for parent in (folder, *folder.parents) if parent.is_symlink() and not parent.exists()), None)
-    if broken is not None:
-        raise UserError(f"the {what} {folder} cannot be made: {broken} is a symbolic link to {os.readlink(broken)}, "
-                        "which does not exist: remove the link or make its target")
-    existing = next(parent for parent in (folder, *folder.parents) if parent.exists())
-    if not existing.is_dir():
-        raise UserError(f"the {what} {folder} cannot be made: {existing} is a file, not a folder: point it at a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"the {what} {folder} cannot be written: {existing} is not writable (permissions or a "
-                        "read-only file system): point it at a writable folder")
-    return existing
 
 
 def resume_last(trainer_config: Namespace, written_since: float = 0.0) -> str | None:

@@ -30,7 +30,7 @@ from typing import TextIO
 
 import numpy as np
 
-from core.errors import UserError
+from core.errors import UserError, check_writable_folder
 from datamodules.encoding import BYTES, Encoding, FileEncoder, encoded_files, load_tokenizer_file
 from datamodules.token_files import TOKEN_META_FILE, token_dtype
 
@@ -156,6 +156,7 @@ def prepare_corpus(files: Sequence[Path], out_dir: Path, *, encoding: Encoding =
     by_file = len(files) >= every  # whole files only when the validation share gets at least one
     dtype = token_dtype(encoding.vocab_size)
     separator = FileEncoder(encoding, dtype).encode(b"\n", "a newline")
+    check_writable_folder(out_dir, "output folder")
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     train = TokenFileWriter(out_dir / "train.bin", dtype, separator)

@@ -278,6 +278,13 @@ def test_prepare_splits_by_file_and_writes_bytes(tmp_path: Path) -> None:
     assert train == sum(len(f.read_bytes()) for f in files[:9]) + 8  # joined by newlines
 
 
+def test_prepare_refuses_an_output_folder_behind_a_broken_link(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("some notes\n" * 50)
+    (tmp_path / "data").symlink_to(tmp_path / "unmounted")
+    with pytest.raises(UserError, match="data is a symbolic link to .*unmounted, which does not exist"):
+        prepare_corpus([tmp_path / "notes.txt"], tmp_path / "data" / "out", val_fraction=0.2, sequence_length=8)
+
+
 def test_token_files_changed_after_prepare_are_refused(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("some notes\n" * 50)
     prepare_corpus([tmp_path / "notes.txt"], tmp_path / "out", val_fraction=0.2, sequence_length=8)
