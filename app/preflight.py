@@ -80,7 +80,11 @@ class Preflight:
             config.ckpt_path = resume_last(config.trainer, written_since=parent_start_time())
         if config.ckpt_path in (None, "last"):
             return "a new run" if config.ckpt_path is None else "Lightning's own lookup of the last checkpoint"
-        check_checkpoint(Path(config.ckpt_path), config.model, config.weights_only)
+        path = Path(config.ckpt_path)
+        if path.is_dir() and not reads_sharded_checkpoints(config.trainer.strategy):
+            raise UserError(f"{path} is a sharded checkpoint folder, which only the model_parallel, pipeline and fsdp "
+                            f"strategies read: run cohort consolidate {path} and pass the file it writes")
+        check_checkpoint(path, config.model, config.weights_only)
         return f"resumes from {config.ckpt_path}"
 
     def check_folders(self) -> str:
@@ -143,6 +147,11 @@ def is_fsdp(strategy: str | Namespace | None) -> bool:
     """FSDP version 1: Lightning's "fsdp" strategies (FSDP2 runs under ModelParallelStrategy)."""
     name = strategy_name(strategy)
     return name.startswith("fsdp") or name.endswith("FSDPStrategy")
+
+
+def reads_sharded_checkpoints(strategy: str | Namespace | None) -> bool:
+    """Whether the strategy loads a sharded checkpoint folder (torch.distributed.checkpoint) in place."""
+    return is_fsdp(strategy) or strategy_name(strategy).endswith(("ModelParallelStrategy", "PipelineParallelStrategy"))
 
 
 def accelerator_name(trainer: Namespace) -> str:

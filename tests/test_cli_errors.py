@@ -99,6 +99,11 @@ def corrupt_checkpoint(folder: Path) -> tuple[list[str], str]:
     return ["--ckpt_path", str(folder / "bad.ckpt")], "not a torch checkpoint"
 
 
+def sharded_checkpoint_without_a_sharded_strategy(folder: Path) -> tuple[list[str], str]:
+    (folder / "last.ckpt").mkdir()  # what model_parallel, pipeline and fsdp write: a folder
+    return ["--ckpt_path", str(folder / "last.ckpt")], "is a sharded checkpoint folder, which only the model_parallel"
+
+
 BAD_INPUTS = [
     missing_data_dir,
     pytest.param(unreadable_token_file, marks=pytest.mark.skipif(
@@ -114,6 +119,7 @@ BAD_INPUTS = [
     sequence_longer_than_the_model,
     missing_checkpoint,
     corrupt_checkpoint,
+    sharded_checkpoint_without_a_sharded_strategy,
 ]
 
 
