@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from core.errors import UserError
+from models.module import SHAPE_HYPERPARAMETERS
 from models.parallelize import CHECKPOINT_WRAPPER_PREFIX
 
 META_FILE = "meta.pt"  # what Lightning writes beside the shards: loop state, hyperparameters, callbacks
@@ -268,15 +269,21 @@ def describe(content: object) -> str:
 
 
 def check_checkpoint(path: Path, model_config: Namespace, weights_only: bool = True) -> None:
-    """A UserError, before anything starts, for a checkpoint that is missing, broken, unsafe, or of another model."""
+    """A UserError, before anything starts, for a checkpoint that is missing, broken, unsafe, or of another model
+    (another family, or another size of this one). ``model_config`` is the config's model: class_path and init_args."""
     if path.is_dir():
         check_sharded_checkpoint(path)
-    saved = read_checkpoint(path / META_FILE if path.is_dir() else path, weights_only).get("hyper_parameters", {})
-    for name in ("model_name", "vocab_size"):  # what decides the shapes of the weights
-        if name in saved and saved[name] != model_config[name]:
+    checkpoint = read_checkpoint(path / META_FILE if path.is_dir() else path, weights_only)
+    family = checkpoint.get("cohort_model_class")
+    if family is not None and family != model_config.class_path:
+        raise UserError(f"checkpoint {path} holds a {family.rsplit('.', 1)[-1]} but the config's model.class_path is "
+                        f"{model_config.class_path}: use that run's config.yaml, or another checkpoint")
+    saved, configured = checkpoint.get("hyper_parameters", {}), model_config.init_args
+    for name in SHAPE_HYPERPARAMETERS:  # what decides the shapes of the weights
+        if name in saved and name in configured and configured[name] is not None and saved[name] != configured[name]:
             raise UserError(
                 f"checkpoint {path} was trained with model.{name}={saved[name]!r} but the config says "
-                f"{model_config[name]!r}: use that run's config.yaml, or another checkpoint"
+                f"{configured[name]!r}: use that run's config.yaml, or another checkpoint"
             )
 
 

@@ -1,5 +1,6 @@
-"""The Lightning subcommands of ``cohort`` (fit, validate, test, predict): LightningCLI over the GPT language model
-and the token-file datamodule, with Cohort's checks before anything is built. ``app/__main__.py`` dispatches."""
+"""The Lightning subcommands of ``cohort`` (fit, validate, test, predict): LightningCLI over any model family and
+its datamodule, chosen by ``model.class_path`` and ``data.class_path`` (GPT and the token files when a config names
+none), with Cohort's checks before anything is built. ``app/__main__.py`` dispatches."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 from jsonargparse import Namespace
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -34,14 +35,41 @@ from core.run_plan import RunPlan
 from core.seeding import DEFAULT_SEED
 from datamodules.language_modeling import LanguageModelingDataModule
 from models.language_model import GPTLanguageModel
+from models.module import CohortModule, class_path_of
+
+
+class CohortArgumentParser(LightningArgumentParser):
+    """Lightning's parser, with one line instead of jsonargparse's nested report for a class_path that names no
+    model family or datamodule."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        key = re.match(r'Parser key "(model|data)"', message)
+        problem = re.search(r"class_path '([^']+)':\s*(.*?)\n\s*- Expected a <class 'NoneType'>", message, re.DOTALL)
+        if key and ("not correspond to a subclass" in message or (problem and UNIMPORTABLE.search(problem[2]))):
+            given = problem[1] if problem else message.rsplit("Given value:", 1)[-1].strip()
+            kind, base = {"model": ("model family", CohortModule), "data": ("datamodule", LightningDataModule)}[key[1]]
+            families = ", ".join(class_path_of(family) for family in base.__subclasses__() if key[1] == "model")
+            raise UserError(f"{key[1]}.class_path {given!r} is not a {kind} Cohort can import: "
+                            + (f"use one of {families}" if families else "check the module and class name"))
+        if key and problem:  # the class refused a value: jsonargparse nests the reason three levels deep
+            reason = re.sub(r'Parser key "([^"]+)":', rf"{key[1]}.\1:", " ".join(problem[2].split()))
+            reason = reason if reason.startswith(f"{key[1]}.") else f"{key[1]}: {reason}"
+            raise UserError(f"{reason} ({key[1]} is {problem[1]}; cohort fit --print_config lists its fields)")
+        super().error(message, ex)
+
+
+# what jsonargparse says of a class_path that names no class it can import
+UNIMPORTABLE = re.compile(r"has no attribute|No module named|not accessible or invalid")
 
 
 class CohortCLI(LightningCLI):
     run_plan: RunPlan  # resolved by the pre-flight checks, before anything is built
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         super().__init__(
-            GPTLanguageModel,
-            LanguageModelingDataModule,
+            CohortModule,
+            LightningDataModule,
+            subclass_mode_model=True,  # the family: model.class_path (models/module.py)
+            subclass_mode_data=True,
             trainer_defaults={
                 "logger": {
                     "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
@@ -52,6 +80,7 @@ class CohortCLI(LightningCLI):
                 "enable_model_summary": False,
                 "callbacks": [PerRankSeed(), PrintPredictions()],
             },
+            parser_class=CohortArgumentParser,
             save_config_kwargs={"overwrite": True},  # a resumed run rewrites its own config.yaml
             parser_kwargs=self.parser_descriptions(),
             args=args,
@@ -71,9 +100,16 @@ class CohortCLI(LightningCLI):
                             help="one seed for the data order, the initial weights and dropout on every rank")
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("data.vocab_size", "model.vocab_size")
-        parser.link_arguments("data.global_batch_size", "model.global_batch_size")
-        parser.link_arguments("seed_everything", "model.seed")
+        # a config that names no family trains a GPT on token files, as every config did before there were others
+        parser.set_defaults({"model": {"class_path": class_path_of(GPTLanguageModel)},
+                             "data": {"class_path": class_path_of(LanguageModelingDataModule)}})
+        # what the model must agree with the data on; a link whose two ends are not both in the chosen classes is
+        # skipped, so each family takes the ones it has
+        parser.link_arguments("data.init_args.vocab_size", "model.init_args.vocab_size")
+        parser.link_arguments("data.init_args.global_batch_size", "model.init_args.global_batch_size")
+        parser.link_arguments("seed_everything", "model.init_args.seed")
+        for derived in ("num_classes", "in_channels"):  # known once the datamodule has looked at its image folder
+            parser.link_arguments(f"data.{derived}", f"model.init_args.{derived}", apply_on="instantiate")
         parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
         parser.set_defaults(
             {
@@ -187,6 +223,7 @@ def run_reporting_errors(command: Callable[[Any], object], args: Any) -> None:
     try:
         command(args)
     except Exception as error:
+        error = user_error_within(error) or error
         lost_peer = isinstance(error, RuntimeError) and LOST_PEER.search(str(error)) is not None
         if os.environ.get("COHORT_TRACEBACK") or not (isinstance(error, USER_ERRORS) or lost_peer):
             raise
@@ -196,3 +233,13 @@ def run_reporting_errors(command: Callable[[Any], object], args: Any) -> None:
                        "failed), so this one stopped too: that process's own output or the scheduler's log says why; "
                        "resume with the same command and --ckpt_path last")
         sys.exit(f"cohort: error: {message} (COHORT_TRACEBACK=1 shows where)")
+
+
+def user_error_within(error: BaseException) -> BaseException | None:
+    """The user's mistake that ``error`` wraps, if any: jsonargparse reports a model or datamodule that refused its
+    arguments as "does not validate against any of the Union subtypes", with the refusal as its cause."""
+    while error is not None:
+        if isinstance(error, USER_ERRORS):
+            return error
+        error = error.__cause__ or error.__context__
+    return None

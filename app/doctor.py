@@ -26,18 +26,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from jsonargparse import Namespace
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import move_data_to_device
 
 from app.cli import CohortCLI
 from app.comm import time_collective
 from app.commands import describe
 from app.launch import Launch, detect_launch, join_process_group, launch_device
-from app.preflight import Preflight, log_root
+from app.preflight import Preflight, class_of, log_root, model_class
 from core.errors import UserError
 from core.run_plan import RunPlan
-from datamodules.language_modeling import LanguageModelingDataModule
-from models.gpt import GPT, gpt_config
+from models.module import CohortModule
 
 
 @dataclass
@@ -69,9 +69,19 @@ def check_bandwidth(device: torch.device) -> Check:
                  "" if n > 1 else "one process: nothing to measure")
 
 
-def check_data(config: Namespace, plan: RunPlan, rank: int, device: torch.device) -> Check:
+def instantiate_family(config: Namespace) -> tuple[LightningDataModule, CohortModule]:
+    """The config's datamodule and model, as the CLI would make them, without building the network (the model's
+    configure_model does that). What the datamodule derives from its data (an image folder's classes) is handed to
+    the model as the CLI's instantiation links hand it."""
+    data = class_of(config.data.class_path)(**vars(config.data.init_args))
+    model_args = vars(config.model.init_args) | {name: getattr(data, name) for name in ("num_classes", "in_channels")
+                                                 if hasattr(data, name)}
+    return data, model_class(config)(**model_args)
+
+
+def check_data(data: LightningDataModule, model: CohortModule, plan: RunPlan, rank: int,
+               device: torch.device) -> Check:
     """The loader's time per micro-batch against the model's compute per micro-batch on this device."""
-    data = LanguageModelingDataModule(**vars(config.data))
     data.run_plan = plan
     data.prepare_data()
     data.setup("fit")
@@ -81,40 +91,35 @@ def check_data(config: Namespace, plan: RunPlan, rank: int, device: torch.device
     start = time.perf_counter()
     fetched = [next(batches) for _ in range(max(1, min(10, len(loader) - 1)))]
     loader_seconds = (time.perf_counter() - start) / max(1, len(fetched))
-    compute_seconds = micro_batch_compute_seconds(config, fetched[0], device)
+    compute_seconds = micro_batch_compute_seconds(model, fetched[0], device)
     if compute_seconds is None:
         return Check("data loader", "pass", f"{loader_seconds * 1e3:.1f} ms per micro-batch",
                      "model too large to time here; compare with the step time once training runs")
     share = loader_seconds / (loader_seconds + compute_seconds)
     detail = f"{loader_seconds * 1e3:.1f} ms per micro-batch vs {compute_seconds * 1e3:.1f} ms of compute ({share:.0%})"
-    advice = f"raise data.num_workers (now {data.num_workers}), set data.pin_memory, keep token files on local disk"
+    advice = f"raise data.num_workers (now {data.hparams.num_workers}), set data.pin_memory, keep data on local disk"
     status = "pass" if share < 0.1 else "warn" if share < 0.3 else "fail"
     return Check("data loader", status, detail, advice if status != "pass" else "")
 
 
-def micro_batch_compute_seconds(config: Namespace, batch: tuple[torch.Tensor, torch.Tensor],
-                                device: torch.device) -> float | None:
+def micro_batch_compute_seconds(model: CohortModule, batch: Any, device: torch.device) -> float | None:
     """Forward + backward of one micro-batch, for models up to 1.5B parameters (larger ones need sharding)."""
-    model_config = gpt_config(config.model.model_name, vocab_size=config.data.vocab_size)
-    with torch.device("meta"):
-        if GPT(model_config).num_parameters() > 1.5e9:
-            return None
-    model = GPT(model_config).to(device)
-    inputs, targets = (tensor.to(device) for tensor in batch)
+    if model.num_parameters() > 1.5e9:
+        return None
+    network = model.plain_network().to(device)
+    batch = move_data_to_device(batch, device)
     for _ in range(2):  # the first pass warms up allocators and kernels
         start = time.perf_counter()
-        F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+        model.batch_loss(network, batch).backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
 
-def check_disk_space(config: Namespace) -> list[Check]:
+def check_disk_space(config: Namespace, parameters: int) -> list[Check]:
     """Room for checkpoints in the log and checkpoint folders (whether they can be written is a pre-flight check)."""
     root = log_root(config.trainer) or Path(".")
-    with torch.device("meta"):
-        params = GPT(gpt_config(config.model.model_name, vocab_size=config.data.vocab_size)).num_parameters()
-    checkpoint_bytes = params * 12  # fp32 weights + two AdamW moments
+    checkpoint_bytes = parameters * 12  # fp32 weights + two AdamW moments
     checks = []
     for name, folder in (("log disk", root), ("checkpoint disk", Path(config.checkpoint.dirpath or root))):
         existing = next(parent for parent in (folder, *folder.parents) if parent.exists())
@@ -186,12 +191,13 @@ def main(argv: list[str]) -> None:
         checks.append(barrier)
         if joined:
             checks.append(check_bandwidth(device))
-    if preflight.plan is not None:
-        try:
-            checks.append(check_data(config, preflight.plan, rank, device))
-        except UserError as error:
-            checks.append(Check("data", "fail", str(error)))
-    checks += check_disk_space(config)
+    try:
+        data, model = instantiate_family(config)
+        if preflight.plan is not None:
+            checks.append(check_data(data, model, preflight.plan, rank, device))
+        checks += check_disk_space(config, model.num_parameters())
+    except UserError as error:
+        checks.append(Check("data", "fail", str(error)))
     if rank == 0:
         print(f"cohort doctor: rank 0 of {world_size} on {socket.gethostname()}\n{format_table(checks)}")
     if joined:

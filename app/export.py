@@ -23,6 +23,8 @@ from app.checkpoints import load_checkpoint, remove_path, replace_path
 from core.errors import UserError
 from models.gpt import GPTConfig, gpt_config
 from models.huggingface import huggingface_gpt2_config, huggingface_gpt2_state_dict
+from models.language_model import GPTLanguageModel
+from models.module import class_path_of
 
 BYTE_VOCABULARY = 256  # models trained on bytes (cohort prepare without --tokenizer): token id = byte value
 
@@ -55,6 +57,10 @@ def main(argv: list[str]) -> None:
 def model_config(checkpoint: dict[str, Any], path: Path) -> GPTConfig:
     """The GPT's shape, from the hyperparameters GPTLanguageModel saved in the checkpoint."""
     saved = checkpoint.get("hyper_parameters", {})
+    family = checkpoint.get("cohort_model_class", class_path_of(GPTLanguageModel))  # older checkpoints: GPTs only
+    if family != class_path_of(GPTLanguageModel):
+        raise UserError(f"{path} holds a {family.rsplit('.', 1)[-1]}, and cohort export writes GPT-2 folders only: "
+                        "pass a checkpoint of a GPT run")
     if "model_name" not in saved:
         raise UserError(f"{path} is not a checkpoint of a Cohort GPT (no model_name among its hyperparameters): pass "
                         "one cohort fit wrote, e.g. lightning_logs/version_0/checkpoints/last.ckpt")

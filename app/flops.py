@@ -1,9 +1,8 @@
 """FLOPs of a training step and the peak FLOP/s of devices (from data sheets, or measured), for TFLOP/s and MFU.
 
-Two independent counts of the training FLOPs per token are kept and checked against each other: the standard
-formula 6N + 12·L·H·Q·T (PaLM, appendix B: N parameters excluding the position table, L layers, H heads, Q head
-size, T sequence length) and torch's FlopCounterMode run over a forward and backward pass on the meta device,
-which costs no memory and no compute.
+The training FLOPs of a sample are counted by torch's FlopCounterMode over a forward and backward pass of the
+model family's network on the meta device (``CohortModule.flops_per_sample``), which costs no memory and no compute;
+the GPT family checks the count against the standard formula (models/gpt.py ``training_flops_per_token``).
 """
 
 from __future__ import annotations
@@ -11,9 +10,6 @@ from __future__ import annotations
 import time
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
-
-from models.gpt import GPT, GPTConfig
 
 # Dense peak TFLOP/s per device, without sparsity, from the vendors' data sheets (SXM parts).
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
@@ -21,24 +17,6 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0},
     "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0},
 }
-
-
-def formula_flops_per_token(config: GPTConfig, sequence_length: int) -> float:
-    """Training (forward + backward) FLOPs per token: 6N for the weights, 12·L·H·Q·T for attention scores."""
-    params = config.n_layer * (12 * config.n_embd**2 + 13 * config.n_embd) + 2 * config.n_embd
-    params += config.vocab_size * config.n_embd  # the tied head is a real matmul; the position table is not
-    head_size = config.n_embd // config.n_head
-    return 6 * params + 12 * config.n_layer * config.n_head * head_size * sequence_length
-
-
-def measured_flops_per_token(config: GPTConfig, sequence_length: int) -> float:
-    """Training FLOPs per token counted by torch over one forward and backward of a meta-device model."""
-    with torch.device("meta"):
-        model = GPT(config)
-        tokens = torch.zeros(1, sequence_length, dtype=torch.long)
-        with FlopCounterMode(display=False) as counter:
-            model(tokens).sum().backward()
-    return counter.get_total_flops() / sequence_length
 
 
 def peak_tflops_per_device(device_name: str, precision: str) -> float | None:

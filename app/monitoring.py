@@ -39,7 +39,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from app.flops import formula_flops_per_token, measured_flops_per_token, measured_peak_tflops, peak_tflops_per_device
+from app.flops import measured_peak_tflops, peak_tflops_per_device
 from app.tensorboard_layout import log_final_val_loss, write_layout
 from core.run_plan import run_plan_of
 from models.pipeline import theoretical_bubble
@@ -151,11 +151,8 @@ class RankMonitor(Callback):
         self.every_n_steps = self.every_n_steps or trainer.log_every_n_steps
         self._cuda = trainer.strategy.root_device.type == "cuda"
         self._plan = plan = run_plan_of(pl_module)
-        config = pl_module.config
-        formula = formula_flops_per_token(config, plan.sequence_length)
-        self.flops_per_token = measured_flops_per_token(config, plan.sequence_length)
-        if abs(self.flops_per_token - formula) > 0.05 * formula:
-            alert(f"FLOP count {self.flops_per_token:.4g}/token differs from 6N + 12LHQT = {formula:.4g}")
+        # a "token" is a sample's unit of work: a token of text, or a whole image (sequence_length 1)
+        self.flops_per_token = pl_module.flops_per_sample(plan.sequence_length) / plan.sequence_length
         device_name = torch.cuda.get_device_name(trainer.strategy.root_device) if self._cuda else "CPU"
         self.peak, self.peak_source = self.peak_tflops, "monitor.peak_tflops"
         if self.peak is None:

@@ -8,6 +8,7 @@ model or file exists.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -22,8 +23,7 @@ from app.launch import parent_start_time, torchrun_restart
 from core.errors import UserError, check_writable_folder
 from core.run_plan import RunPlan
 from datamodules.prepare import DEFAULT_CORPUS_DIR
-from models.gpt import gpt_config
-from models.parallelize import check_tensor_parallel_size
+from models.module import CohortModule
 
 PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
@@ -89,8 +89,9 @@ class Preflight:
 
     def check_folders(self) -> str:
         folders = {"log folder": log_root(self.config.trainer), "checkpoint folder": self.config.checkpoint.dirpath}
-        if self.config.data.data_dir is None:  # the embedded corpus is built there on first use
-            folders["embedded corpus folder"] = DEFAULT_CORPUS_DIR
+        data = self.config.data
+        if data.class_path.endswith("LanguageModelingDataModule") and data.init_args.data_dir is None:
+            folders["embedded corpus folder"] = DEFAULT_CORPUS_DIR  # built there on first use
         for what, folder in folders.items():
             if folder is not None:
                 check_writable_folder(Path(folder), what)
@@ -100,7 +101,7 @@ class Preflight:
 def check_config(config: Namespace) -> RunPlan:
     """What the config alone decides, on any machine (``--print_config`` checks this much): the strategy, the sizes
     and the batch arithmetic, and whether the model fits them. Returns the run plan."""
-    trainer, data = config.trainer, config.data
+    trainer, data = config.trainer, config.data.init_args
     if trainer.use_distributed_sampler:
         raise UserError("trainer.use_distributed_sampler must stay false: the datamodule gives each rank its "
                         "own samples, and Lightning's sampler would reorder them")
@@ -113,29 +114,26 @@ def check_config(config: Namespace) -> RunPlan:
         devices_per_node=devices_per_node(trainer), num_nodes=int(trainer.num_nodes),
         data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel,
         global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch_size,
-        sequence_length=data.sequence_length, precision=precision_name(trainer.precision), seed=config.seed_everything,
+        sequence_length=getattr(data, "sequence_length", 1),  # tokens per sample; an image counts as one
+        precision=precision_name(trainer.precision), seed=config.seed_everything,
         pipeline_parallel_size=pipeline, **pipeline_options(trainer),
     )
-    model_config = gpt_config(config.model.model_name, vocab_size=data.vocab_size)
-    stages = pipeline * plan.stages_per_rank
-    if plan.pipeline_layers is not None and sum(plan.pipeline_layers) != model_config.n_layer:
-        raise UserError(f"trainer.strategy.init_args.pipeline_layers={list(plan.pipeline_layers)} adds up to "
-                        f"{sum(plan.pipeline_layers)} blocks, but model '{config.model.model_name}' has "
-                        f"{model_config.n_layer}: give every block to one stage")
-    if stages > model_config.n_layer:
-        raise UserError(f"pipeline_parallel_size={pipeline} ({plan.pipeline_schedule}) makes {stages} stages, more than "
-                        f"model '{config.model.model_name}' has blocks ({model_config.n_layer}): use fewer stages")
-    try:
-        check_tensor_parallel_size(model_config.n_head, tensor_parallel)
-    except ValueError as error:
-        raise UserError(f"{error} (model '{config.model.model_name}')") from None
-    if data.sequence_length > model_config.block_size:
-        raise UserError(f"data.sequence_length={data.sequence_length} exceeds the block_size {model_config.block_size} "
-                        f"of model '{config.model.model_name}': shorten the sequences or pick a larger model")
-    if is_fsdp(trainer.strategy) and config.model.activation_checkpointing:
+    model_class(config).check_config(config.model.init_args, data, plan)
+    if is_fsdp(trainer.strategy) and getattr(config.model.init_args, "activation_checkpointing", False):
         raise UserError("model.activation_checkpointing is for DDP and model_parallel; under fsdp set "
                         "trainer.strategy.init_args.activation_checkpointing_policy (see configs/trainer/fsdp_gpu_bf16.yaml)")
     return plan
+
+
+def model_class(config: Namespace) -> type[CohortModule]:
+    """The model family the config names (the parser has already checked that the class exists and is one)."""
+    return class_of(config.model.class_path)
+
+
+def class_of(class_path: str) -> type:
+    """The class a config's class_path names."""
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def strategy_name(strategy: str | Namespace | None) -> str:

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from models.gpt import GPT, gpt_config
-from models.language_model import weight_decay_groups
+from models.module import weight_decay_groups
 from models.parallelize import build_gpt
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from models.gpt import GPT, gpt_config
-from models.language_model import weight_decay_groups
+from models.module import weight_decay_groups
 from models.parallelize import build_gpt, clip_grad_norm_
 
 LEARNING_RATE = 1e-4

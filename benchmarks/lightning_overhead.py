@@ -104,7 +104,7 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
     from datamodules.samplers import GlobalBatchSampler
     from datamodules.token_files import TokenWindows
     from models.gpt import gpt_config
-    from models.language_model import warmup_cosine_schedule, weight_decay_groups
+    from models.module import warmup_cosine_schedule, weight_decay_groups
     from models.parallelize import build_gpt
 
     # what GPTLanguageModel.configure_model builds: the same weights from the same seed

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from models.gpt import gpt_config
-from models.language_model import weight_decay_groups
+from models.module import weight_decay_groups
 from models.parallelize import build_gpt
 
 

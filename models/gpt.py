@@ -168,3 +168,12 @@ class GPT(nn.Module):
             next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
             idx = torch.cat((idx, next_token), dim=1)
         return idx
+
+
+def training_flops_per_token(config: GPTConfig, sequence_length: int) -> float:
+    """Training (forward + backward) FLOPs per token: 6N for the weights, 12·L·H·Q·T for attention scores
+    (PaLM, appendix B: N parameters excluding the position table, L layers, H heads, Q head size, T sequence length)."""
+    params = config.n_layer * (12 * config.n_embd**2 + 13 * config.n_embd) + 2 * config.n_embd
+    params += config.vocab_size * config.n_embd  # the tied head is a real matmul; the position table is not
+    head_size = config.n_embd // config.n_head
+    return 6 * params + 12 * config.n_layer * config.n_head * head_size * sequence_length

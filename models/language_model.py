@@ -2,32 +2,27 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Any
 
-import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from lightning.pytorch.plugins import Precision
+from jsonargparse import Namespace
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from core.errors import UserError, check_ranges
 from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
-from models.gpt import GPT, gpt_config
-from models.parallelize import build_gpt, clip_grad_norm_, merge_stages
+from models.gpt import GPT, gpt_config, training_flops_per_token
+from models.module import FSDP_PARAM_DTYPES, CohortModule, optimizer_ranges
+from models.parallelize import build_gpt, check_tensor_parallel_size, merge_stages
 from models.pipeline import Pipeline, rank_stages
 
-# FSDP2's compute dtype for each mixed precision; the sharded float32 master weights stay float32
-FSDP_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
-
-class GPTLanguageModel(L.LightningModule):
+class GPTLanguageModel(CohortModule):
     def __init__(
         self,
         model_name: str = "small",
@@ -71,40 +66,62 @@ class GPTLanguageModel(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         check_ranges("model", {
-            "learning_rate": (learning_rate > 0, "> 0"),
-            "min_learning_rate_ratio": (0 <= min_learning_rate_ratio <= 1, "in [0, 1]"),
+            **optimizer_ranges(locals()),
             "dropout": (0 <= dropout < 1, "in [0, 1)"),
-            "weight_decay": (weight_decay >= 0, ">= 0"),
-            "betas": (len(betas) == 2 and all(0 <= beta < 1 for beta in betas), "two numbers in [0, 1)"),
-            "warmup_steps": (warmup_steps >= 0, ">= 0"),
-            "lr_decay_steps": (lr_decay_steps is None or lr_decay_steps > 0, "> 0, or null for the whole run"),
-            "reference_batch_size": (reference_batch_size is None or reference_batch_size > 0, "> 0, or null"),
             "max_new_tokens": (max_new_tokens >= 0, ">= 0"),
             "temperature": (temperature > 0, "> 0"),
             "top_k": (top_k is None or top_k >= 1, ">= 1, or null to sample from all tokens"),
         }, locals())
         self.config = gpt_config(model_name, vocab_size=vocab_size, dropout=dropout)
-        self.model: GPT | None = None  # built by configure_model, where the strategy's device mesh is known
-        self.pipeline: Pipeline | None = None  # this rank's stage and its schedule, with pipeline stages
-        self.run_plan: RunPlan | None = None  # handed over by the CLI before training
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
 
-    @property
-    def effective_learning_rate(self) -> float:
-        """The peak learning rate after the linear scaling rule, if one is configured."""
-        lr = self.hparams.learning_rate
-        if self.hparams.reference_batch_size is not None:
-            if self.hparams.global_batch_size is None:
-                raise UserError("model.reference_batch_size needs model.global_batch_size (linked from data)")
-            lr *= self.hparams.global_batch_size / self.hparams.reference_batch_size
-        return lr
+    # ----- the family's part of CohortModule -----
+    def plain_network(self) -> GPT:
+        return GPT(self.config)
+
+    def example_batch(self, micro_batch_size: int, sequence_length: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.zeros(micro_batch_size, sequence_length, dtype=torch.long, device=device)
+        return tokens, tokens
+
+    def batch_loss(self, network: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        return F.cross_entropy(network(inputs).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+    def flops_per_sample(self, sequence_length: int) -> float:
+        """torch's count, checked against the standard formula 6N + 12·L·H·Q·T."""
+        counted = super().flops_per_sample(sequence_length)
+        formula = training_flops_per_token(self.config, sequence_length) * sequence_length
+        if abs(counted - formula) > 0.05 * formula:
+            rank_zero_warn(f"FLOP count {counted:.4g}/sample differs from 6N + 12LHQT = {formula:.4g}")
+        return counted
+
+    @classmethod
+    def check_config(cls, model: Namespace, data: Namespace, plan: RunPlan) -> None:
+        """The pipeline split, the tensor-parallel heads and the context against the named size."""
+        config = gpt_config(model.model_name, vocab_size=data.vocab_size)
+        name = f"model '{model.model_name}'"
+        stages = plan.pipeline_parallel_size * plan.stages_per_rank
+        if plan.pipeline_layers is not None and sum(plan.pipeline_layers) != config.n_layer:
+            raise UserError(f"trainer.strategy.init_args.pipeline_layers={list(plan.pipeline_layers)} adds up to "
+                            f"{sum(plan.pipeline_layers)} blocks, but {name} has {config.n_layer}: give every block to "
+                            "one stage")
+        if stages > config.n_layer:
+            raise UserError(f"pipeline_parallel_size={plan.pipeline_parallel_size} ({plan.pipeline_schedule}) makes "
+                            f"{stages} stages, more than {name} has blocks ({config.n_layer}): use fewer stages")
+        try:
+            check_tensor_parallel_size(config.n_head, plan.tensor_parallel_size)
+        except ValueError as error:
+            raise UserError(f"{error} ({name})") from None
+        if data.sequence_length > config.block_size:
+            raise UserError(f"data.sequence_length={data.sequence_length} exceeds the block_size {config.block_size} "
+                            f"of {name}: shorten the sequences or pick a larger model")
 
     def describe(self) -> str:
         """One line on the model: its size, shape and parameter count (counted on the meta device, so before and
         without building it)."""
-        with torch.device("meta"):
-            parameters = GPT(self.config).num_parameters()
+        parameters = self.num_parameters()
         c = self.config
         return (f"GPT '{self.hparams.model_name}', {c.n_layer} layers x {c.n_head} heads, width {c.n_embd}, context "
                 f"{c.block_size}, vocabulary {c.vocab_size}: {parameters:,} parameters ({parameters * 4 / 2**20:,.1f} "
@@ -141,26 +158,6 @@ class GPTLanguageModel(L.LightningModule):
             self.pipeline = Pipeline(stages, spans, self.device_mesh, device, plan.pipeline_schedule,
                                      plan.pipeline_microbatches)
 
-    def configure_gradient_clipping(
-        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None:
-        """Clip under every strategy and precision, and log the gradient norm before clipping. Lightning's own
-        clipping refuses a fused optimizer under mixed precision (it cannot know whether the gradients are still
-        scaled) and norm clipping under FSDP (the norm must be summed over the shards)."""
-        if not gradient_clip_val:
-            return
-        unscale_gradients(self.trainer.precision_plugin, optimizer)
-        parameters = [param for group in optimizer.param_groups for param in group["params"]]
-        if gradient_clip_algorithm == "value":
-            torch.nn.utils.clip_grad_value_(parameters, gradient_clip_val)
-            return
-        pipeline = self.pipeline
-        norm = clip_grad_norm_(self.trainer.model, parameters, gradient_clip_val,
-                               pipeline_group=pipeline and pipeline.group,
-                               counted=pipeline and pipeline.counted_parameters(parameters))
-        self.log("train/grad_norm", norm)
-
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
@@ -174,8 +171,7 @@ class GPTLanguageModel(L.LightningModule):
             if plan.ends_optimizer_step(batch_idx):
                 self.pipeline.finish_gradients()
         else:
-            logits = self.model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+            loss = self.batch_loss(self.model, batch)
         # once per optimizer step: a step's logged value is its last micro-batch's anyway, and each self.log
         # costs about a millisecond of Lightning bookkeeping
         if plan.ends_optimizer_step(batch_idx):
@@ -240,58 +236,6 @@ class GPTLanguageModel(L.LightningModule):
         )
         self.model.train(was_training)
         return decode_bytes(tokens[0, prompt.size(1) :])
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        lr = self.effective_learning_rate
-        if self.hparams.reference_batch_size is not None:
-            rank_zero_info(
-                f"learning rate {lr:.3g} = {self.hparams.learning_rate:.3g} x global batch "
-                f"{self.hparams.global_batch_size} / reference batch {self.hparams.reference_batch_size}"
-            )
-        optimizer = torch.optim.AdamW(
-            weight_decay_groups(self.model, self.hparams.weight_decay),
-            lr=lr,
-            betas=self.hparams.betas,
-            # one kernel for all parameters where torch has it; under fp16's grad scaler too, since
-            # configure_gradient_clipping unscales the gradients a fused optimizer would otherwise unscale itself
-            fused=self.device.type in ("cuda", "cpu"),
-        )
-        decay_steps = self.hparams.lr_decay_steps or self.trainer.estimated_stepping_batches
-        schedule = warmup_cosine_schedule(self.hparams.warmup_steps, int(decay_steps), self.hparams.min_learning_rate_ratio)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def unscale_gradients(precision_plugin: Precision, optimizer: torch.optim.Optimizer) -> None:
-    """Under fp16's grad scaler, divide the gradients by the loss scale before they are clipped, as torch's AMP
-    recipe does. Lightning does this itself except for optimizers that unscale inside their step (fused AdamW);
-    the scaler records that it is done, so the fused step then only skips a step with inf or NaN gradients."""
-    scaler = getattr(precision_plugin, "scaler", None)  # MixedPrecision and FSDPPrecision under 16-mixed
-    if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
-        scaler.unscale_(optimizer)
-
-
-def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """GPT-2 recipes decay only the weight matrices: never biases, norms or embeddings (the tied head included)."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
-    no_decay = [p for p in params if p.dim() < 2 or id(p) in embeddings]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def warmup_cosine_schedule(warmup_steps: int, decay_steps: int, min_ratio: float) -> Callable[[int], float]:
-    """LR multiplier for step s: linear warmup to 1, cosine down to ``min_ratio`` at ``decay_steps``, then flat."""
-
-    def multiplier(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if step >= decay_steps:
-            return min_ratio
-        progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
-        return min_ratio + 0.5 * (1.0 - min_ratio) * (1.0 + math.cos(math.pi * progress))
-
-    return multiplier
 
 
 def decode_bytes(tokens: torch.Tensor) -> str:

@@ -17,10 +17,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 
-from app.flops import formula_flops_per_token, measured_flops_per_token, measured_peak_tflops, peak_tflops_per_device
+from app.flops import measured_peak_tflops, peak_tflops_per_device
 from app.monitoring import RankMonitor, median_of_others
 from core.run_plan import RunPlan
-from models.gpt import GPT_CONFIGS
+from models.gpt import GPT_CONFIGS, training_flops_per_token
+from models.language_model import GPTLanguageModel
 from tests.helpers import DDP_2, QUIET, REPO_ROOT, batch_sizes, free_port, run_cohort, scalars
 
 
@@ -186,12 +187,11 @@ def test_replica_check_names_the_rank_whose_weights_differ(tmp_path: Path, debug
 def test_flop_count_matches_a_hand_computed_case() -> None:
     # debug: L=2, H=2, C=32, Q=16, V=256, T=64. Weights per layer 12C^2 + 13C = 12,704; final norm 2C = 64;
     # tied head VC = 8,192; N = 2 x 12,704 + 64 + 8,192 = 33,664. 6N = 201,984; 12LHQT = 12x2x2x16x64 = 49,152.
-    assert formula_flops_per_token(GPT_CONFIGS["debug"], 64) == 251_136
-    # torch counts matmuls only, not the biases and norms in 6N: 6 x (2 x 12C^2 + VC) + 12LHQT = 245,760
-    assert measured_flops_per_token(GPT_CONFIGS["debug"], 64) == 245_760
-    gpt2 = GPT_CONFIGS["gpt2"]
-    formula = formula_flops_per_token(gpt2, 1024)
-    assert measured_flops_per_token(gpt2, 1024) == pytest.approx(formula, rel=0.002)
+    assert training_flops_per_token(GPT_CONFIGS["debug"], 64) == 251_136
+    # torch counts matmuls only, not the biases and norms in 6N: 6 x (2 x 12C^2 + VC) + 12LHQT = 245,760 per token
+    assert GPTLanguageModel("debug").flops_per_sample(64) == 245_760 * 64
+    formula = training_flops_per_token(GPT_CONFIGS["gpt2"], 1024)
+    assert GPTLanguageModel("gpt2").flops_per_sample(1024) == pytest.approx(formula * 1024, rel=0.002)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])

@@ -24,7 +24,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from core.run_plan import RunPlan
 from datamodules.language_modeling import LanguageModelingDataModule
-from models.language_model import GPTLanguageModel, weight_decay_groups
+from models.language_model import GPTLanguageModel
+from models.module import weight_decay_groups
 from tests.helpers import (
     CLIP, CONFIG_DIR, GPU_LAYOUTS, PRECISIONS, assert_trains_as_one_does, assert_trains_with_clipping_that_bites, cached_fits,
     clipped_run, fit, scalars, shrunk, without_key_bias,

@@ -13,7 +13,8 @@ from app.preflight import check_config, resolve_precision
 from core.errors import UserError
 from core.run_plan import RunPlan
 from models.gpt import GPT, GPT_CONFIGS
-from models.language_model import GPTLanguageModel, warmup_cosine_schedule, weight_decay_groups
+from models.language_model import GPTLanguageModel
+from models.module import warmup_cosine_schedule, weight_decay_groups
 
 
 def plan(world_size: int = 1, micro: int = 4, global_batch: int = 32, num_nodes: int = 1,
@@ -62,7 +63,7 @@ def test_the_plan_is_resolved_from_the_config_alone(debug_run_args: list[str]) -
     resolved = check_config(cli.config)
     assert (resolved.world_size, resolved.data_parallel_size, resolved.accumulation) == (4, 4, 2)
     assert (resolved.seed, resolved.precision, resolved.sequence_length) == (7, "bf16-mixed", 64)
-    assert cli.config.model.seed == 7  # linked, as vocab_size is
+    assert cli.config.model.init_args.seed == 7  # linked, as vocab_size is
 
 
 def test_a_seed_that_is_not_an_integer_is_refused(debug_run_args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
