@@ -1,4 +1,5 @@
-"""The BERT module (sizes, shapes, padding, weight tying, initialisation) and build_bert in one process."""
+"""The BERT module (sizes, shapes, padding, weight tying, initialisation), build_bert in one process, and the
+masked-LM corruption (proportions, special tokens, the generator) with its config checks."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import pytest
 import torch
 
 from core.errors import UserError
-from core.tokens import BYTE_BERT_VOCAB_SIZE, BYTE_SPECIAL_TOKENS
+from core.tokens import BYTE_BERT_VOCAB_SIZE, BYTE_SPECIAL_TOKENS, IGNORE_INDEX
 from models.bert import BERT, BERT_CONFIGS, BertConfig, bert_config
+from models.masking import check_special_tokens, mask_tokens
 from models.parallelize import build_bert, init_weights
 
 TINY = BERT_CONFIGS["bert-tiny"]
@@ -127,3 +129,86 @@ def test_the_seed_alone_decides_the_initial_weights() -> None:
     different = [name for name, weight in first.named_parameters()
                  if weight.std() > 0 and torch.equal(weight, dict(other.named_parameters())[name])]
     assert different == []
+
+
+# masking
+
+VOCAB = BYTE_BERT_VOCAB_SIZE
+SPECIAL = BYTE_SPECIAL_TOKENS
+
+
+def byte_tokens(count: int, seed: int = 0) -> torch.Tensor:
+    """(count // 100, 100) ordinary byte ids with [CLS] first and [SEP] last in every row, [PAD] in some."""
+    tokens = torch.randint(0, 256, (count // 100, 100), generator=torch.Generator().manual_seed(seed))
+    tokens[:, 0], tokens[:, -1] = SPECIAL.cls, SPECIAL.sep
+    tokens[::3, 90:-1] = SPECIAL.pad
+    return tokens
+
+
+def masked(tokens: torch.Tensor, seed: int, probability: float = 0.15) -> tuple[torch.Tensor, torch.Tensor]:
+    return mask_tokens(tokens, torch.Generator().manual_seed(seed), VOCAB, SPECIAL.mask, SPECIAL.ids, probability)
+
+
+def test_masking_follows_berts_proportions() -> None:
+    """A million tokens (about 950k ordinary, 140k chosen): each tolerance below is about 6 standard deviations of
+    its proportion, so a correct implementation cannot fail whatever the seed, and an error of one percentage
+    point in any proportion cannot pass."""
+    tokens = byte_tokens(1_000_000)
+    inputs, labels = masked(tokens, seed=1)
+    ordinary = tokens < 256
+    chosen = labels != IGNORE_INDEX
+    assert chosen.sum() / ordinary.sum() == pytest.approx(0.15, abs=0.0025)
+    to_mask = (inputs == SPECIAL.mask).sum() / chosen.sum()
+    unchanged = (inputs == tokens)[chosen].float().mean()  # a random draw can give the same token back: 1 in 256
+    assert to_mask == pytest.approx(0.8, abs=0.0065)
+    assert unchanged == pytest.approx(0.1 + 0.1 / 256, abs=0.005)
+    assert 1 - to_mask - unchanged == pytest.approx(0.1 * 255 / 256, abs=0.005)  # replaced by another token
+
+
+def test_special_tokens_are_never_chosen_and_labels_hold_the_originals() -> None:
+    tokens = byte_tokens(20_000)
+    inputs, labels = masked(tokens, seed=2, probability=0.5)
+    special = tokens >= 256
+    chosen = labels != IGNORE_INDEX
+    assert not chosen[special].any()
+    assert torch.equal(labels[chosen], tokens[chosen])
+    assert torch.equal(inputs[~chosen], tokens[~chosen])  # only chosen positions change
+    assert torch.equal(inputs[special], tokens[special])
+
+
+def test_random_replacements_cover_the_ordinary_vocabulary_only() -> None:
+    """Special ids scattered through a small vocabulary: every other id, and only those, is drawn."""
+    special_ids, vocab_size = (0, 5, 6, 19), 20
+    tokens = torch.full((50_000,), 1)
+    inputs, labels = mask_tokens(tokens, torch.Generator().manual_seed(3), vocab_size, mask_token_id=5,
+                                 special_token_ids=(0, 6, 19), probability=0.9)
+    replaced = set(inputs[(labels != IGNORE_INDEX) & (inputs != 5)].tolist())
+    assert replaced == set(range(vocab_size)) - set(special_ids)
+
+
+def test_the_generator_decides_the_masking() -> None:
+    tokens = byte_tokens(10_000)
+    first, again, other = (masked(tokens, seed) for seed in (7, 7, 8))
+    torch.manual_seed(0)  # the global generator plays no part
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert not torch.equal(first[1], other[1]) and not torch.equal(first[0], other[0])
+
+
+def test_byte_special_tokens_pass_the_checks() -> None:
+    check_special_tokens(VOCAB, SPECIAL.mask, SPECIAL.cls, SPECIAL.sep, SPECIAL.pad, mask_probability=0.15)
+
+
+@pytest.mark.parametrize(("field", "value", "requirement"), [
+    ("mask_token_id", None, r"a token id in \[0, 260\)"),
+    ("cls_token_id", 260, r"a token id in \[0, 260\)"),
+    ("sep_token_id", -1, r"a token id in \[0, 260\)"),
+    ("pad_token_id", None, r"a token id in \[0, 260\)"),
+    ("mask_probability", 0.0, "between 0 and 1, exclusive"),
+    ("mask_probability", 1.0, "between 0 and 1, exclusive"),
+])
+def test_unusable_masking_settings_are_one_line_user_errors(field: str, value: object, requirement: str) -> None:
+    settings = {"mask_token_id": SPECIAL.mask, "cls_token_id": SPECIAL.cls, "sep_token_id": SPECIAL.sep,
+                "pad_token_id": SPECIAL.pad, "mask_probability": 0.15, field: value}
+    with pytest.raises(UserError, match=rf"^model\.{field}={value!r} must be {requirement}") as error:
+        check_special_tokens(VOCAB, **settings)
+    assert "\n" not in str(error.value)
