@@ -1,10 +1,11 @@
-"""Spreading a GPT over devices, from outside the model, in torchtitan's order.
+"""Spreading a GPT or a BERT over devices, from outside the model, in torchtitan's order.
 
-``build_gpt`` creates the model on the meta device (no memory, whatever its size), keeps only this rank's
-pipeline stage, applies tensor parallelism, activation checkpointing, compile and FSDP2 in that order, then
-materialises this rank's shards and initialises them. Each parameter's initial value is drawn whole from a
-generator seeded by (seed, parameter name) and each rank keeps its own slice, so one seed gives the same model
-under any strategy, world size and pipeline split.
+``build_gpt`` and ``build_bert`` create the model on the meta device (no memory, whatever its size); ``build_gpt``
+keeps only this rank's pipeline stage; ``parallelize_and_initialize`` then applies tensor parallelism, activation
+checkpointing, compile and FSDP2 in that order, materialises this rank's shards and initialises them. Both models
+keep their blocks in ``model.blocks`` and name their projections alike, so every step serves both. Each
+parameter's initial value is drawn whole from a generator seeded by (seed, parameter name) and each rank keeps its
+own slice, so one seed gives the same model under any strategy, world size and pipeline split.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from core.seeding import derive_seed
+from models.bert import BERT, BertConfig
 from models.gpt import GPT, GPTConfig
 
 CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
@@ -101,6 +103,42 @@ def build_gpt(
         model = GPT(config)
     if stage is not None:
         keep_stage(model, stage)
+    # a pipeline runs each stage's forward once per pipeline micro-batch: gathering the shards again each time
+    # would cost more than keeping them (torchtitan does the same)
+    parallelize_and_initialize(model, device, seed, device_mesh, activation_checkpointing, compile, param_dtype,
+                               reshard_after_forward=stage is None)
+    return model
+
+
+def build_bert(
+    config: BertConfig,
+    device: torch.device,
+    seed: int,
+    device_mesh: DeviceMesh | None = None,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    param_dtype: torch.dtype | None = None,
+) -> BERT:
+    """A BERT on ``device``, parallelised over ``device_mesh`` (dims "data_parallel" and "tensor_parallel") if
+    given, and initialised from ``seed``, as ``build_gpt`` does a GPT. No pipeline parallelism."""
+    with torch.device("meta"):
+        model = BERT(config)
+    parallelize_and_initialize(model, device, seed, device_mesh, activation_checkpointing, compile, param_dtype)
+    return model
+
+
+def parallelize_and_initialize(
+    model: GPT | BERT,
+    device: torch.device,
+    seed: int,
+    device_mesh: DeviceMesh | None,
+    activation_checkpointing: bool,
+    compile: bool,
+    param_dtype: torch.dtype | None,
+    reshard_after_forward: bool = True,
+) -> None:
+    """Tensor parallelism, activation checkpointing, compile and FSDP2, in torchtitan's order, on a model built
+    on the meta device; then this rank's shards materialised on ``device`` and initialised from ``seed``."""
     if device_mesh is not None and device_mesh["tensor_parallel"].size() > 1:
         apply_tensor_parallel(model, device_mesh["tensor_parallel"])
     if activation_checkpointing:
@@ -108,12 +146,9 @@ def build_gpt(
     if compile:
         apply_compile(model)
     if device_mesh is not None:
-        # a pipeline runs each stage's forward once per pipeline micro-batch: gathering the shards again each
-        # time would cost more than keeping them (torchtitan does the same)
-        apply_fsdp(model, device_mesh["data_parallel"], param_dtype, reshard_after_forward=stage is None)
+        apply_fsdp(model, device_mesh["data_parallel"], param_dtype, reshard_after_forward)
     materialize(model, device)
     init_weights(model, seed)
-    return model
 
 
 def merge_stages(stages: list[GPT]) -> GPT:
@@ -128,12 +163,14 @@ def merge_stages(stages: list[GPT]) -> GPT:
     return merged
 
 
-def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(model: GPT | BERT, tp_mesh: DeviceMesh) -> None:
     """Megatron-style: the first projection of attention and of the MLP split by output columns (whole heads,
-    thanks to the head-interleaved qkv layout), the second by input rows, so each block needs one all-reduce
-    forward and one backward per sub-layer. Embeddings, norms and the head stay replicated."""
+    thanks to GPT's head-interleaved qkv layout and BERT's separate query, key and value), the second by input
+    rows, so each block needs one all-reduce forward and one backward per sub-layer. Embeddings, norms and the
+    head stay replicated."""
     check_tensor_parallel_size(model.config.n_head, tp_mesh.size())
-    plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+    attention_inputs = ("attn.query", "attn.key", "attn.value") if isinstance(model, BERT) else ("attn.qkv",)
+    plan = {**{name: ColwiseParallel() for name in attention_inputs}, "attn.proj": RowwiseParallel(),
             "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
     for block in model.blocks.values():
         parallelize_module(block, tp_mesh, plan)
@@ -146,21 +183,21 @@ def check_tensor_parallel_size(n_head: int, tensor_parallel_size: int) -> None:
                          "heads: choose a size that does")
 
 
-def apply_activation_checkpointing(model: GPT) -> None:
+def apply_activation_checkpointing(model: GPT | BERT) -> None:
     """Keep only each block's input; recompute its activations in backward. The wrapper's state-dict hooks drop
     its name from checkpoint keys, so checkpoints load with or without it."""
     for name, block in model.blocks.items():
         model.blocks[name] = checkpoint_wrapper(block)
 
 
-def apply_compile(model: GPT) -> None:
+def apply_compile(model: GPT | BERT) -> None:
     """Compile each block's forward (all blocks share one compiled graph). Replacing ``forward`` rather than
     wrapping the module keeps parameter names unchanged and leaves FSDP's hooks outside the graph."""
     for block in model.blocks.values():
         block.forward = torch.compile(block.forward)  # type: ignore[method-assign]
 
 
-def apply_fsdp(model: GPT, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
+def apply_fsdp(model: GPT | BERT, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
                reshard_after_forward: bool = True) -> None:
     """FSDP2: each block is one unit (gathered just before it runs, freed after unless ``reshard_after_forward``
     is false); the root holds the embeddings, the final norm and the tied head. Gradients are reduced in float32
@@ -183,8 +220,9 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def init_weights(model: GPT, seed: int) -> None:
-    """GPT-2 initialisation (``GPT.initial_std``) that depends on the seed and the parameter names only."""
+def init_weights(model: GPT | BERT, seed: int) -> None:
+    """The model's own initialisation (``GPT.initial_std``, ``BERT.initial_std``), depending on the seed and the
+    parameter names only."""
     for raw_name, param in model.named_parameters():
         name = raw_name.replace(CHECKPOINT_WRAPPER_PREFIX, "")
         local = param.to_local() if isinstance(param, DTensor) else param
