@@ -23,6 +23,7 @@ from models.pipeline import Pipeline, rank_stages
 
 
 class GPTLanguageModel(CohortModule):
+    predicts = True  # continues the datamodule's prompts
     def __init__(
         self,
         model_name: str = "small",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning as L
 import torch
@@ -36,6 +36,8 @@ class CohortModule(L.LightningModule):
     """The base of every model family. Subclasses call ``save_hyperparameters()`` with at least the optimizer fields
     read here (learning_rate, min_learning_rate_ratio, weight_decay, betas, warmup_steps, lr_decay_steps,
     global_batch_size, reference_batch_size) and build ``self.model`` in ``configure_model``."""
+
+    predicts: ClassVar[bool] = False  # whether ``cohort predict`` means something for the family (GPT continues prompts)
 
     def __init__(self) -> None:
         super().__init__()

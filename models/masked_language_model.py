@@ -1,0 +1,190 @@
+"""The LightningModule that pretrains a BERT with the masked-language-model objective (no next-sentence objective:
+RoBERTa showed it does not help), on the same token files as the GPT.
+
+Each (B, T) window of the data becomes one sequence: [CLS], the window's tokens 1 .. T-2, [SEP]. Its corruption
+(models/masking.py) is drawn from a generator seeded by (seed, data-parallel rank, optimizer step, micro-batch), so
+masks differ across ranks and steps, and a resumed run masks exactly as the uninterrupted one did. Validation masks
+follow from (seed, data-parallel rank, batch), the same in every validation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from jsonargparse import Namespace
+from lightning.pytorch.strategies import FSDPStrategy
+from torchmetrics import MeanMetric
+
+from core.errors import UserError, check_ranges
+from core.run_plan import RunPlan, run_plan_of
+from core.seeding import DEFAULT_SEED, derive_seed
+from core.tokens import BYTE_BERT_VOCAB_SIZE, BYTE_SPECIAL_TOKENS, IGNORE_INDEX, SpecialTokens
+from models.bert import BERT, bert_config
+from models.masking import check_special_tokens, mask_tokens
+from models.module import FSDP_PARAM_DTYPES, CohortModule, optimizer_ranges
+from models.parallelize import build_bert, check_tensor_parallel_size
+
+BYTE_VOCAB_SIZE = 256  # the embedded corpus, and any data prepared byte by byte
+
+
+class BertMaskedLanguageModel(CohortModule):
+    def __init__(
+        self,
+        model_name: str = "bert-small",
+        vocab_size: int | None = None,
+        mask_token_id: int | None = None,
+        cls_token_id: int | None = None,
+        sep_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        mask_probability: float = 0.15,
+        dropout: float = 0.1,
+        learning_rate: float = 1e-4,
+        min_learning_rate_ratio: float = 0.0,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_steps: int = 10_000,
+        lr_decay_steps: int | None = None,
+        global_batch_size: int | None = None,
+        reference_batch_size: int | None = None,
+        activation_checkpointing: bool = False,
+        compile: bool = False,
+        seed: int = DEFAULT_SEED,
+    ) -> None:
+        """
+        Args:
+            model_name: a size from models.bert.BERT_CONFIGS ("bert-tiny", "bert-small", "bert-base", "bert-large").
+            vocab_size: the data's vocabulary; the CLI links it to data.vocab_size. Byte-level data (256) gets the four
+                special tokens after the bytes (core/tokens.py), a vocabulary of 260.
+            mask_token_id, cls_token_id, sep_token_id, pad_token_id: the special tokens' ids in a tokenizer's
+                vocabulary; leave them null for byte-level data.
+            mask_probability: the share of (non-special) tokens chosen for prediction; BERT's is 0.15.
+            dropout: dropout probability in embeddings, attention and feed-forward layers (BERT: 0.1).
+            learning_rate: peak learning rate (BERT: 1e-4 at batch 256).
+            min_learning_rate_ratio: the decay ends at learning_rate times this (BERT decays to 0).
+            weight_decay: AdamW decay on matrices; biases, norms and embeddings are never decayed (BERT: 0.01).
+            betas: AdamW betas (BERT: 0.9, 0.999).
+            warmup_steps: optimizer steps of linear warmup from 0 (BERT: 10,000).
+            lr_decay_steps: optimizer steps until the decay ends; None means the whole run.
+            global_batch_size: samples per optimizer step; the CLI links it to data.global_batch_size.
+            reference_batch_size: if set, learning_rate is scaled by global_batch_size / reference_batch_size.
+            activation_checkpointing: recompute each block's activations in backward instead of keeping them.
+            compile: torch.compile each block.
+            seed: initial weights and masks follow from it; the CLI links it to seed_everything.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        check_ranges("model", {**optimizer_ranges(locals()), "dropout": (0 <= dropout < 1, "in [0, 1)")}, locals())
+        self.special_tokens, model_vocab_size = special_tokens(vocab_size, mask_token_id, cls_token_id, sep_token_id,
+                                                               pad_token_id, mask_probability)
+        self.config = bert_config(model_name, vocab_size=model_vocab_size, dropout=dropout)
+        self.val_loss = MeanMetric()
+        self.val_accuracy = MeanMetric()
+
+    # ----- the family's part of CohortModule -----
+    def plain_network(self) -> BERT:
+        return BERT(self.config)
+
+    def example_batch(self, micro_batch_size: int, sequence_length: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.zeros(micro_batch_size, sequence_length, dtype=torch.long, device=device)
+        return tokens, tokens
+
+    def batch_loss(self, network: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+                   mask_seed: int = 0) -> torch.Tensor:
+        inputs, labels = self.masked(batch[0], mask_seed)
+        return F.cross_entropy(network(inputs).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+    @classmethod
+    def check_config(cls, model: Namespace, data: Namespace, plan: RunPlan) -> None:
+        config = bert_config(model.model_name)
+        name = f"model '{model.model_name}'"
+        if plan.pipeline_parallel_size > 1:
+            raise UserError(f"{name} has no pipeline split: train BERT with DDP, FSDP2 or tensor parallelism "
+                            "(configs/trainer/), not the pipeline presets")
+        try:
+            check_tensor_parallel_size(config.n_head, plan.tensor_parallel_size)
+        except ValueError as error:
+            raise UserError(f"{error} ({name})") from None
+        if data.sequence_length > config.max_position_embeddings:
+            raise UserError(f"data.sequence_length={data.sequence_length} exceeds the {config.max_position_embeddings} "
+                            f"positions of {name}: shorten the sequences or pick a larger model")
+        if data.sequence_length < 3:
+            raise UserError(f"data.sequence_length={data.sequence_length}: a BERT sequence needs [CLS], at least one "
+                            "token and [SEP]")
+
+    def describe(self) -> str:
+        c = self.config
+        return (f"BERT '{self.hparams.model_name}' (masked LM), {c.n_layer} layers x {c.n_head} heads, width {c.n_embd}, "
+                f"{c.max_position_embeddings} positions, vocabulary {c.vocab_size}: {self.num_parameters():,} "
+                f"parameters ({self.num_parameters() * 4 / 2**20:,.1f} MiB in float32)")
+
+    # ----- training -----
+    def configure_model(self) -> None:
+        """Build on the meta device, then parallelise, materialise and initialise on this rank's device, as the GPT
+        does (models/parallelize.py ``build_bert``)."""
+        if self.model is not None:
+            return
+        trainer = self._trainer
+        device = torch.device("cpu") if trainer is None else trainer.strategy.root_device
+        if isinstance(trainer and trainer.strategy, FSDPStrategy):
+            device = torch.device("cpu")  # FSDP (1) moves each unit to its GPU as it shards it
+        self.model = build_bert(
+            self.config, device=device, seed=self.hparams.seed, device_mesh=self.device_mesh,
+            activation_checkpointing=self.hparams.activation_checkpointing, compile=self.hparams.compile,
+            param_dtype=FSDP_PARAM_DTYPES.get(str(trainer.precision)) if trainer is not None else None,
+        )
+
+    def masked(self, window: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[CLS] window[1:-1] [SEP], corrupted as BERT does, and the labels; on the meta device (counting FLOPs and
+        memory) every position is a label and nothing is drawn."""
+        tokens = window.clone()
+        tokens[:, 0], tokens[:, -1] = self.special_tokens.cls, self.special_tokens.sep
+        if tokens.device.type == "meta":
+            return tokens, tokens
+        generator = torch.Generator(device=tokens.device).manual_seed(seed)
+        return mask_tokens(tokens, generator, self.config.vocab_size, self.special_tokens.mask,
+                           self.special_tokens.ids, self.hparams.mask_probability)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        plan = run_plan_of(self)
+        seed = derive_seed(plan.seed, "mask", plan.data_parallel_rank(self.global_rank), self.global_step, batch_idx)
+        loss = self.batch_loss(self.model, batch, seed)
+        if plan.ends_optimizer_step(batch_idx):  # a step's logged value is its last micro-batch's
+            self.log("train/loss", loss, prog_bar=True)
+            self.log("lr", self.lr_schedulers().get_last_lr()[0])
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        plan = run_plan_of(self)
+        seed = derive_seed(plan.seed, "validation mask", plan.data_parallel_rank(self.global_rank), batch_idx)
+        inputs, labels = self.masked(batch[0], seed)
+        logits = self.model(inputs).float()
+        chosen = labels != IGNORE_INDEX  # padding windows (all IGNORE_INDEX targets) are never chosen either
+        chosen &= batch[1] != IGNORE_INDEX
+        count = chosen.sum()
+        loss_sum = F.cross_entropy(logits[chosen], labels[chosen], reduction="sum")
+        correct = (logits[chosen].argmax(-1) == labels[chosen]).sum()
+        self.val_loss.update(loss_sum / count.clamp(min=1), weight=count)
+        self.val_accuracy.update(correct / count.clamp(min=1), weight=count)
+
+    def on_validation_epoch_end(self) -> None:
+        loss, accuracy = self.val_loss.compute(), self.val_accuracy.compute()  # collectives: every rank's mean
+        self.val_loss.reset()
+        self.val_accuracy.reset()
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/perplexity", torch.exp(loss), sync_dist=True)
+        self.log("val/masked_accuracy", accuracy, sync_dist=True)
+
+
+def special_tokens(vocab_size: int | None, mask_token_id: int | None, cls_token_id: int | None,
+                   sep_token_id: int | None, pad_token_id: int | None,
+                   mask_probability: float) -> tuple[SpecialTokens, int]:
+    """The special tokens and the model's vocabulary: byte-level data (256 ids) gets the four ids after the bytes;
+    a tokenizer's vocabulary must name its own."""
+    ids = (mask_token_id, cls_token_id, sep_token_id, pad_token_id)
+    if vocab_size in (None, BYTE_VOCAB_SIZE) and all(token_id is None for token_id in ids):
+        check_special_tokens(BYTE_BERT_VOCAB_SIZE, *BYTE_SPECIAL_TOKENS.ids, mask_probability)
+        return BYTE_SPECIAL_TOKENS, BYTE_BERT_VOCAB_SIZE
+    check_special_tokens(vocab_size, *ids, mask_probability)
+    return SpecialTokens(*ids), vocab_size
