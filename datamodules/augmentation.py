@@ -60,7 +60,8 @@ def augment_image(image: torch.Tensor, generator: torch.Generator, augmentation:
         cos, sin = math.cos(radians), math.sin(radians)
         # affine_grid works in coordinates that span [-1, 1] on each axis, so a size fraction t is a shift of 2t, and
         # a rotation of the pixel grid is scaled by the aspect ratio (which is 1 for square images)
-        tx, ty = 2 * (2 * shift_x - 1) * augmentation.translate_fraction, 2 * (2 * shift_y - 1) * augmentation.translate_fraction
+        shift = 2 * augmentation.translate_fraction
+        tx, ty = (2 * shift_x - 1) * shift, (2 * shift_y - 1) * shift
         theta = torch.tensor([[cos, -sin * H / W, tx], [sin * W / H, cos, ty]], dtype=image.dtype, device=image.device)
         grid = F.affine_grid(theta[None], [1, C, H, W], align_corners=False)  # (1, H, W, 2): where each pixel reads
         image = F.grid_sample(image[None], grid, mode="bilinear", padding_mode="zeros", align_corners=False)[0]

@@ -84,7 +84,8 @@ class NormalisedImages(Dataset):
 class AugmentedImages(Dataset):
     """The training images of one data-parallel rank, read by ``SampleAt`` and augmented by its coordinates."""
 
-    def __init__(self, images: NormalisedImages, augmentation: Augmentation, seed: int, data_parallel_rank: int) -> None:
+    def __init__(self, images: NormalisedImages, augmentation: Augmentation, seed: int,
+                 data_parallel_rank: int) -> None:
         self.images = images
         self.augmentation = augmentation
         self.seed = seed

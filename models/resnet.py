@@ -84,7 +84,8 @@ class ResNet(nn.Module):
         stages, in_width = [], config.widths[0]
         for index, (width, num_blocks) in enumerate(zip(config.widths, config.blocks)):
             stride = 1 if index == 0 else 2
-            blocks = [BasicBlock(in_width, width, stride)] + [BasicBlock(width, width, 1) for _ in range(num_blocks - 1)]
+            blocks = [BasicBlock(in_width if block == 0 else width, width, stride if block == 0 else 1)
+                      for block in range(num_blocks)]
             stages.append(nn.Sequential(*blocks))
             in_width = width
         self.stages = nn.Sequential(*stages)
