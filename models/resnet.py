@@ -37,8 +37,9 @@ class ResNetConfig:
             raise ValueError(f"widths {self.widths} and blocks {self.blocks} must be positive")
 
 
-# Named sizes. "resnet-tiny" is for tests; "resnet-small" learns the embedded digits to about 98 % in a minute on
-# 2 CPU cores; "resnet-18" is He et al.'s ResNet-18 with the CIFAR stem, for 32x32 to 64x64 image folders.
+# Named sizes. "resnet-tiny" (5 k parameters) is for tests; "resnet-small" (308 k) learns the embedded digits to 98 %
+# validation accuracy in 150 steps of 64, seconds on one CPU thread (tests/test_images.py); "resnet-18" (11 M) is
+# He et al.'s ResNet-18 with the CIFAR stem, for 32x32 to 64x64 image folders.
 RESNET_CONFIGS: dict[str, ResNetConfig] = {
     "resnet-tiny": ResNetConfig(widths=(8, 16), blocks=(1, 1)),
     "resnet-small": ResNetConfig(widths=(32, 64, 128), blocks=(1, 1, 1)),
