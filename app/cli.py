@@ -33,9 +33,12 @@ from app.progress import StepProgress
 from core.errors import UserError
 from core.run_plan import RunPlan
 from core.seeding import DEFAULT_SEED
+from datamodules.images import ImageClassificationDataModule
 from datamodules.language_modeling import LanguageModelingDataModule
+from models.image_classifier import ImageClassifier
 from models.language_model import GPTLanguageModel
-from models.module import CohortModule, class_path_of
+from models.masked_language_model import BertMaskedLanguageModel
+from models.module import DERIVED_FROM_DATA, CohortModule, class_path_of
 
 
 class CohortArgumentParser(LightningArgumentParser):
@@ -47,10 +50,9 @@ class CohortArgumentParser(LightningArgumentParser):
         problem = re.search(r"class_path '([^']+)':\s*(.*?)\n\s*- Expected a <class 'NoneType'>", message, re.DOTALL)
         if key and ("not correspond to a subclass" in message or (problem and UNIMPORTABLE.search(problem[2]))):
             given = problem[1] if problem else message.rsplit("Given value:", 1)[-1].strip()
-            kind, base = {"model": ("model family", CohortModule), "data": ("datamodule", LightningDataModule)}[key[1]]
-            families = ", ".join(class_path_of(family) for family in base.__subclasses__() if key[1] == "model")
-            raise UserError(f"{key[1]}.class_path {given!r} is not a {kind} Cohort can import: "
-                            + (f"use one of {families}" if families else "check the module and class name"))
+            kind, known = {"model": ("model family", FAMILIES), "data": ("datamodule", DATAMODULES)}[key[1]]
+            raise UserError(f"{key[1]}.class_path {given!r} is not a {kind} Cohort can import: use one of "
+                            + ", ".join(class_path_of(cls) for cls in known))
         if key and problem:  # the class refused a value: jsonargparse nests the reason three levels deep
             reason = re.sub(r'Parser key "([^"]+)":', rf"{key[1]}.\1:", " ".join(problem[2].split()))
             reason = reason if reason.startswith(f"{key[1]}.") else f"{key[1]}: {reason}"
@@ -58,6 +60,9 @@ class CohortArgumentParser(LightningArgumentParser):
         super().error(message, ex)
 
 
+# what the shipped configs name (a class of one's own that subclasses CohortModule or LightningDataModule works too)
+FAMILIES = (GPTLanguageModel, BertMaskedLanguageModel, ImageClassifier)
+DATAMODULES = (LanguageModelingDataModule, ImageClassificationDataModule)
 # what jsonargparse says of a class_path that names no class it can import
 UNIMPORTABLE = re.compile(r"has no attribute|No module named|not accessible or invalid")
 
@@ -108,7 +113,7 @@ class CohortCLI(LightningCLI):
         parser.link_arguments("data.init_args.vocab_size", "model.init_args.vocab_size")
         parser.link_arguments("data.init_args.global_batch_size", "model.init_args.global_batch_size")
         parser.link_arguments("seed_everything", "model.init_args.seed")
-        for derived in ("num_classes", "in_channels"):  # known once the datamodule has looked at its image folder
+        for derived in DERIVED_FROM_DATA:  # known once the datamodule has looked at its image folder
             parser.link_arguments(f"data.{derived}", f"model.init_args.{derived}", apply_on="instantiate")
         parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
         parser.set_defaults(

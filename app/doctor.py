@@ -37,7 +37,7 @@ from app.launch import Launch, detect_launch, join_process_group, launch_device
 from app.preflight import Preflight, class_of, log_root, model_class
 from core.errors import UserError
 from core.run_plan import RunPlan
-from models.module import CohortModule
+from models.module import DERIVED_FROM_DATA, CohortModule
 
 
 @dataclass
@@ -74,7 +74,7 @@ def instantiate_family(config: Namespace) -> tuple[LightningDataModule, CohortMo
     configure_model does that). What the datamodule derives from its data (an image folder's classes) is handed to
     the model as the CLI's instantiation links hand it."""
     data = class_of(config.data.class_path)(**vars(config.data.init_args))
-    model_args = vars(config.model.init_args) | {name: getattr(data, name) for name in ("num_classes", "in_channels")
+    model_args = vars(config.model.init_args) | {name: getattr(data, name) for name in DERIVED_FROM_DATA
                                                  if hasattr(data, name)}
     return data, model_class(config)(**model_args)
 

@@ -385,7 +385,7 @@ class RankMonitor(Callback):
             return statistics.fmean(window[tag] for window in self.summary if tag in window)
 
         rows = [
-            ("tokens/s (all ranks)", f"{mean('throughput/tokens_per_second'):,.0f}"),
+            (f"{self._plan.unit}/s (all ranks)", f"{mean('throughput/tokens_per_second'):,.0f}"),
             ("TFLOP/s (all ranks)", f"{mean('throughput/tflops'):.3f}"),
             ("MFU", f"{mean('throughput/mfu'):.1%} of {self.peak:.3g} TFLOP/s per device ({self.peak_source})"),
             ("step time, median rank", f"{mean('monitor/step_s/median'):.3f} s"),

@@ -121,6 +121,7 @@ def check_config(config: Namespace) -> RunPlan:
         sequence_length=getattr(data, "sequence_length", 1),  # tokens per sample; an image counts as one
         precision=precision_name(trainer.precision), seed=config.seed_everything,
         pipeline_parallel_size=pipeline, **pipeline_options(trainer),
+        unit=getattr(class_of(config.data.class_path), "unit", "tokens"),
     )
     model_class(config).check_config(config.model.init_args, data, plan)
     if is_fsdp(trainer.strategy) and getattr(config.model.init_args, "activation_checkpointing", False):

@@ -66,6 +66,7 @@ class StepProgress(ProgressBar):
         self.every = self.every_n_steps or trainer.log_every_n_steps
         self.total = trainer.estimated_stepping_batches  # max_steps, or what max_epochs allows; inf: unbounded
         self.tokens_per_step = run_plan_of(pl_module).tokens_per_step
+        self.unit = run_plan_of(pl_module).unit
         self.started = self.step_started = self.drawn_at = time.perf_counter()
         self.paused = 0.0  # validation inside the current step's interval
         self.steps_timed = 0
@@ -102,7 +103,7 @@ class StepProgress(ProgressBar):
         if "lr" in metrics:
             parts.append(f"lr {float(metrics['lr']):.2e}")
         if self.seconds_per_step:
-            parts.append(f"{self.tokens_per_step / self.seconds_per_step:,.0f} tokens/s")
+            parts.append(f"{self.tokens_per_step / self.seconds_per_step:,.0f} {self.unit}/s")
         parts.append(f"elapsed {format_duration(now - self.started)}")
         if self.seconds_per_step and math.isfinite(self.total):
             parts.append(f"ETA {format_duration(max(self.total - step, 0) * self.seconds_per_step)}")

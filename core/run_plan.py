@@ -35,6 +35,7 @@ class RunPlan:
     pipeline_schedule: str = "1F1B"  # the order of the pipeline micro-batches' forwards and backwards
     pipeline_microbatches: int = 1  # pipeline micro-batches each micro batch is cut into
     pipeline_layers: tuple[int, ...] | None = None  # blocks of each stage, in stage order; None: balanced by count
+    unit: str = "tokens"  # what throughput counts: tokens of text, or "images" (sequence_length 1: one per sample)
 
     def __post_init__(self) -> None:
         check_ranges("trainer", {"devices": (self.devices_per_node >= 1, "at least 1 per node"),
@@ -135,7 +136,7 @@ class RunPlan:
                         "pipeline micro-batches")
         return (f"global batch {self.global_batch_size} = micro batch {self.micro_batch_size} x "
                 f"{self.data_parallel_size} data-parallel ranks x {self.accumulation} accumulation steps; "
-                f"{self.tokens_per_step:,} tokens per optimizer step{pipeline}")
+                f"{self.tokens_per_step:,} {self.unit} per optimizer step{pipeline}")
 
 
 def run_plan_of(holder: object) -> RunPlan:

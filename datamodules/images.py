@@ -101,6 +101,7 @@ class AugmentedImages(Dataset):
 
 
 class ImageClassificationDataModule(ShardedDataModule):
+    unit = "images"  # what the progress line and the monitor count per second
     def __init__(
         self,
         data_dir: str | None = None,
@@ -151,11 +152,11 @@ class ImageClassificationDataModule(ShardedDataModule):
             if image_size is not None:
                 raise UserError(f"data.image_size={image_size}: the embedded digits are 8x8 and are not resized; leave "
                                 "data.image_size unset, or set data.data_dir to a folder of images")
-            self.class_names, self.in_channels, self.image_size = DIGITS_CLASSES, 1, (8, 8)
+            self.class_names, self.in_channels, self.image_shape = DIGITS_CLASSES, 1, (8, 8)
         else:  # check user data now, before any work starts
             self.folder = scan_image_folder(self.data_dir, image_size)
             self.class_names, self.in_channels = self.folder.class_names, self.folder.channels
-            self.image_size = self.folder.image_size  # (height, width)
+            self.image_shape = self.folder.image_size  # (height, width), linked into the model
         self.num_classes = len(self.class_names)  # linked into the model with in_channels
         self.augmentation = Augmentation(crop_padding, rotation_degrees, translate_fraction, horizontal_flip)
         self.global_batch_size = global_batch_size

@@ -28,6 +28,9 @@ from models.parallelize import clip_grad_norm_
 
 # FSDP2's compute dtype for each mixed precision; the sharded float32 master weights stay float32
 FSDP_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+# what a datamodule finds out from its data (an image folder's classes) and the model takes: the CLI links each
+# attribute of the datamodule to the model argument of the same name where both exist
+DERIVED_FROM_DATA = ("num_classes", "in_channels", "image_shape")
 # the hyperparameters that decide the shapes of a family's weights; a checkpoint must agree with the config on them
 SHAPE_HYPERPARAMETERS = ("model_name", "vocab_size", "num_classes", "in_channels")
 

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from core.seeding import derive_seed
 from models.bert import BERT, BertConfig
 from models.gpt import GPT, GPTConfig
+from models.resnet import BasicBlock, ResNet, ResNetConfig
 
 CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 
@@ -124,6 +125,23 @@ def build_bert(
     with torch.device("meta"):
         model = BERT(config)
     parallelize_and_initialize(model, device, seed, device_mesh, activation_checkpointing, compile, param_dtype)
+    return model
+
+
+def build_resnet(config: ResNetConfig, device: torch.device, seed: int, device_mesh: DeviceMesh | None = None,
+                 param_dtype: torch.dtype | None = None) -> ResNet:
+    """A ResNet on ``device``, initialised from ``seed`` (drawn on the CPU, so every device and world size start
+    alike) and, with a ``device_mesh``, FSDP2-sharded one residual block per unit over its data-parallel dimension.
+    Tensor parallelism, activation checkpointing and pipeline stages are not for a network of a few million
+    parameters: ``ImageClassifier.check_config`` refuses them."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(seed, "resnet"))
+        model = ResNet(config).to(device)
+    if device_mesh is not None:
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+        for block in [module for module in model.modules() if isinstance(module, BasicBlock)]:
+            fully_shard(block, mesh=device_mesh["data_parallel"], mp_policy=policy)
+        fully_shard(model, mesh=device_mesh["data_parallel"], mp_policy=policy)
     return model
 
 

@@ -10,6 +10,7 @@ import yaml
 from jsonargparse import ArgumentParser
 from lightning.pytorch.strategies import FSDPStrategy
 
+from models.bert import Block as BertBlock
 from models.gpt import Block
 from tests.helpers import QUICKSTART, QUIET, REPO_ROOT, one_line_error, run_cohort, run_in_process
 
@@ -31,6 +32,17 @@ REFUSED = {
     ("quickstart.yaml", "multinode_gpu_bf16"): "data.global_batch_size=32 is not a multiple of data.micro_batch_size=16 x 16",
     ("quickstart.yaml", "pipeline_gpu_bf16"): "data.global_batch_size=32 is not a multiple of data.micro_batch_size=16 x 4",
     ("gpt-6.7b/pretrain.yaml", "fsdp_gpu_bf16"): "model.activation_checkpointing is for DDP and model_parallel",
+    ("bert-large/pretrain.yaml", "multinode_gpu_bf16"): "data.global_batch_size=64 is not a multiple of data.micro_batch_size=8 x 16",
+    ("bert-large/pretrain.yaml", "pipeline_cpu"): "model 'bert-large' has no pipeline split",
+    ("bert-large/pretrain.yaml", "pipeline_gpu_bf16"): "model 'bert-large' has no pipeline split",
+    ("bert-small/pretrain.yaml", "model_parallel_gpu_bf16"): "data.global_batch_size=32 is not a multiple of data.micro_batch_size=16 x 8",
+    ("bert-small/pretrain.yaml", "multinode_gpu_bf16"): "data.global_batch_size=32 is not a multiple of data.micro_batch_size=16 x 16",
+    ("bert-small/pretrain.yaml", "pipeline_cpu"): "model 'bert-small' has no pipeline split",
+    ("bert-small/pretrain.yaml", "pipeline_gpu_bf16"): "data.global_batch_size=32 is not a multiple of data.micro_batch_size=16 x 4",
+    ("resnet-small/digits.yaml", "model_parallel_gpu_bf16"): "data.global_batch_size=64 is not a multiple of data.micro_batch_size=32 x 8",
+    ("resnet-small/digits.yaml", "multinode_gpu_bf16"): "data.global_batch_size=64 is not a multiple of data.micro_batch_size=32 x 16",
+    ("resnet-small/digits.yaml", "pipeline_cpu"): "the image classifier ('resnet-small') is data parallel only",
+    ("resnet-small/digits.yaml", "pipeline_gpu_bf16"): "data.global_batch_size=64 is not a multiple of data.micro_batch_size=32 x 4",
 }
 
 
@@ -49,17 +61,17 @@ def test_recipe_and_preset_parse_and_pass_the_config_checks(recipe: Path, preset
         run_in_process(args, monkeypatch)
     assert exit_info.value.code in (0, None)
     printed = capsys.readouterr().out
-    assert "model_name:" in printed and "global_batch_size:" in printed
+    assert "class_path: models." in printed and "model_name:" in printed and "global_batch_size:" in printed
 
 
 def test_fsdp_preset_wraps_and_checkpoints_each_transformer_block() -> None:
-    """The strategy the fsdp preset builds (constructing it needs no GPU): one FSDP unit per Block."""
+    """The strategy the fsdp preset builds (constructing it needs no GPU): one FSDP unit per block, GPT's or BERT's."""
     strategy_config = yaml.safe_load((REPO_ROOT / "configs/trainer/fsdp_gpu_bf16.yaml").read_text())["trainer"]["strategy"]
     strategy_config["init_args"]["activation_checkpointing_policy"] = ["models.gpt.Block"]
     parser = ArgumentParser()
     parser.add_argument("--strategy", type=FSDPStrategy)
     strategy = parser.instantiate(parser.parse_object({"strategy": strategy_config})).strategy
-    assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Block}
+    assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Block, BertBlock}
     assert strategy._activation_checkpointing_kwargs["auto_wrap_policy"]._module_classes == {Block}
     assert strategy.sharding_strategy.name == "FULL_SHARD" and strategy._state_dict_type == "sharded"
 

@@ -60,7 +60,7 @@ def test_digits_are_1797_grayscale_8x8_images_of_ten_classes() -> None:
     assert digits.labels.unique().tolist() == list(range(10))
     assert int(digits.pixels.max()) == digits.max_value == 16
     datamodule = ImageClassificationDataModule()
-    assert (datamodule.num_classes, datamodule.in_channels, datamodule.image_size) == (10, 1, (8, 8))
+    assert (datamodule.num_classes, datamodule.in_channels, datamodule.image_shape) == (10, 1, (8, 8))
 
 
 def test_the_validation_split_is_fixed_and_stratified(digits: ImageClassificationDataModule) -> None:
@@ -89,7 +89,7 @@ def test_a_folder_of_pngs_loads_with_its_classes(tmp_path: Path) -> None:
     datamodule = ImageClassificationDataModule(str(tmp_path), global_batch_size=4, micro_batch_size=2,
                                                val_fraction=0.2)
     assert datamodule.class_names == ["cat", "dog"] and datamodule.num_classes == 2
-    assert (datamodule.in_channels, datamodule.image_size) == (1, (6, 6))
+    assert (datamodule.in_channels, datamodule.image_shape) == (1, (6, 6))
     datamodule.setup("fit")
     assert len(datamodule.train_set) == 16 and datamodule.val_set.images.labels.tolist() == [0, 0, 1, 1]
     pixels = datamodule.train_set.images.pixels
@@ -104,7 +104,7 @@ def test_train_and_val_folders_and_mixed_modes_resized(tmp_path: Path) -> None:
                 write_png(tmp_path / split / name / f"{index}.png", size=(5 + index, 7))
     write_png(tmp_path / "train" / "b" / "color.jpg", mode="RGB")
     datamodule = ImageClassificationDataModule(str(tmp_path), image_size=4, global_batch_size=2, micro_batch_size=1)
-    assert (datamodule.in_channels, datamodule.image_size, datamodule.class_names) == (3, (4, 4), ["a", "b"])
+    assert (datamodule.in_channels, datamodule.image_shape, datamodule.class_names) == (3, (4, 4), ["a", "b"])
     datamodule.setup("fit")
     assert datamodule.train_set.images.pixels.shape == (9, 3, 4, 4)
     assert datamodule.val_set.images.labels.tolist() == [0, 1]  # from val/, not split off train/
@@ -144,7 +144,7 @@ def test_images_of_mixed_sizes_need_an_image_size(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=(f"{tmp_path / 'a' / '1.png'} is 8x8 and {tmp_path / 'b' / '2.png'} is 10x12 "
                                          ".*set data.image_size")):
         ImageClassificationDataModule(str(tmp_path))
-    assert ImageClassificationDataModule(str(tmp_path), image_size=8).image_size == (8, 8)
+    assert ImageClassificationDataModule(str(tmp_path), image_size=8).image_shape == (8, 8)
 
 
 def test_an_unreadable_image_is_named(tmp_path: Path) -> None:

@@ -1,0 +1,136 @@
+"""The LightningModule that trains a ResNet image classifier: cross-entropy, accuracy through torchmetrics, and the
+optimizer and schedule every family shares (models/module.py).
+
+The images arrive augmented by the datamodule (datamodules/images.py), each from its own rank's and step's draw;
+the number of classes, the channels and the image size are the data's, linked in by the CLI.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from jsonargparse import Namespace
+from lightning.pytorch.strategies import FSDPStrategy
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from core.errors import UserError, check_ranges
+from core.run_plan import RunPlan, run_plan_of
+from core.seeding import DEFAULT_SEED
+from core.tokens import IGNORE_INDEX
+from models.module import FSDP_PARAM_DTYPES, CohortModule, optimizer_ranges
+from models.parallelize import build_resnet
+from models.resnet import ResNet, resnet_config
+
+
+class ImageClassifier(CohortModule):
+    def __init__(
+        self,
+        model_name: str = "resnet-small",
+        num_classes: int | None = None,
+        in_channels: int | None = None,
+        image_shape: tuple[int, int] | None = None,
+        learning_rate: float = 1e-2,
+        min_learning_rate_ratio: float = 0.0,
+        weight_decay: float = 5e-4,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_steps: int = 10,
+        lr_decay_steps: int | None = None,
+        global_batch_size: int | None = None,
+        reference_batch_size: int | None = None,
+        seed: int = DEFAULT_SEED,
+    ) -> None:
+        """
+        Args:
+            model_name: a size from models.resnet.RESNET_CONFIGS ("resnet-tiny", "resnet-small", "resnet-18").
+            num_classes: the data's classes; the CLI links it from the datamodule.
+            in_channels: 1 for grayscale, 3 for colour; the CLI links it from the datamodule.
+            image_shape: (height, width) of the images; the CLI links it from the datamodule.
+            learning_rate: peak learning rate (before batch-size scaling).
+            min_learning_rate_ratio: the cosine decay ends at learning_rate times this.
+            weight_decay: AdamW decay on convolution kernels and the head's matrix; never on norms or biases.
+            betas: AdamW betas.
+            warmup_steps: optimizer steps of linear warmup from 0.
+            lr_decay_steps: optimizer steps until the decay ends; None means the whole run.
+            global_batch_size: samples per optimizer step; the CLI links it to data.global_batch_size.
+            reference_batch_size: if set, learning_rate is scaled by global_batch_size / reference_batch_size.
+            seed: the initial weights follow from it; the CLI links it to seed_everything.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        check_ranges("model", optimizer_ranges(locals()), locals())
+        if num_classes is None or in_channels is None or image_shape is None:
+            raise UserError("model.num_classes, model.in_channels and model.image_shape come from the image "
+                            "datamodule: set data.class_path to datamodules.images.ImageClassificationDataModule")
+        self.config = resnet_config(model_name, num_classes=num_classes, in_channels=in_channels)
+        self.image_shape = tuple(image_shape)
+        self.val_loss = MeanMetric()
+        self.val_accuracy = MulticlassAccuracy(num_classes, ignore_index=IGNORE_INDEX)
+
+    # ----- the family's part of CohortModule -----
+    def plain_network(self) -> ResNet:
+        return ResNet(self.config)
+
+    def example_batch(self, micro_batch_size: int, sequence_length: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        images = torch.zeros(micro_batch_size, self.config.in_channels, *self.image_shape, device=device)
+        return images, torch.zeros(micro_batch_size, dtype=torch.long, device=device)
+
+    def batch_loss(self, network: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        images, labels = batch
+        return F.cross_entropy(network(images), labels, ignore_index=IGNORE_INDEX)
+
+    @classmethod
+    def check_config(cls, model: Namespace, data: Namespace, plan: RunPlan) -> None:
+        resnet_config(model.model_name)  # an unknown size, before anything starts
+        if plan.tensor_parallel_size > 1 or plan.pipeline_parallel_size > 1:
+            raise UserError(f"the image classifier ('{model.model_name}') is data parallel only: use "
+                            "configs/trainer/ddp_cpu.yaml or ddp_gpu_bf16.yaml, or model_parallel with "
+                            "tensor_parallel_size 1 (FSDP2)")
+
+    def describe(self) -> str:
+        c = self.config
+        return (f"ResNet '{self.hparams.model_name}', stages of widths {list(c.widths)} x blocks {list(c.blocks)}, "
+                f"{c.in_channels} channel(s) of {self.image_shape[0]}x{self.image_shape[1]} in, {c.num_classes} "
+                f"classes: {self.num_parameters():,} parameters")
+
+    # ----- training -----
+    def configure_model(self) -> None:
+        """Build on this rank's device; under ModelParallelStrategy (FSDP2) shard it over the data-parallel ranks."""
+        if self.model is not None:
+            return
+        trainer = self._trainer
+        device = torch.device("cpu") if trainer is None else trainer.strategy.root_device
+        if isinstance(trainer and trainer.strategy, FSDPStrategy):
+            device = torch.device("cpu")  # FSDP (1) moves the model to its GPU as it shards it
+        self.model = build_resnet(self.config, device, self.hparams.seed, self.device_mesh,
+                                  FSDP_PARAM_DTYPES.get(str(trainer.precision)) if trainer is not None else None)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        logits = self.model(images)
+        loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
+        if run_plan_of(self).ends_optimizer_step(batch_idx):  # a step's logged value is its last micro-batch's
+            self.log("train/loss", loss, prog_bar=True)
+            self.log("train/accuracy", (logits.argmax(-1) == labels).float().mean())
+            self.log("lr", self.lr_schedulers().get_last_lr()[0])
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        images, labels = batch
+        logits = self.model(images).float()
+        counted = (labels != IGNORE_INDEX).sum()  # padding samples (see EvenShardSampler) count for nothing
+        loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        self.val_loss.update(loss_sum / counted.clamp(min=1), weight=counted)
+        self.val_accuracy.update(logits, labels)
+
+    def on_validation_epoch_end(self) -> None:
+        loss, accuracy = self.val_loss.compute(), self.val_accuracy.compute()  # collectives: over every rank's images
+        self.val_loss.reset()
+        self.val_accuracy.reset()
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/accuracy", accuracy, prog_bar=True, sync_dist=True)
