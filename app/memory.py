@@ -148,7 +148,7 @@ class NetworkProfile:
     other_saved_bytes: int  # bytes it saves outside the blocks (embeddings, head, loss)
     block_input_bytes: tuple[int, ...]  # each block's input: what activation checkpointing keeps
     temporary_bytes: int  # the peak of everything alive in the step above what is saved (around the loss)
-    weight_copy_bytes: int  # autocast's compute-dtype copies of the weights
+    weight_copy_bytes: int  # autocast's compute-dtype copies of the weights that backward reads
 
     @property
     def parameter_count(self) -> int:
@@ -315,6 +315,8 @@ def profile_network(
                 handle.remove()
         gradient_keys = {storage_key(p.grad) for p in parameters if p.grad is not None}
         step.cache.clear()
+    # autocast's cached copies count while autograd keeps them (weights); a bias's copy is gone after the forward
+    copies = {key: size for key, size in copies.items() if key in saved}
     activations = {key: value for key, value in saved.items() if key not in parameter_keys and key not in copies}
     block_saved = [0] * len(block_list)
     for size, owner in activations.values():
@@ -414,10 +416,12 @@ def spread(
     parameter_bytes = int(local_parameters * profile.parameter_dtype.itemsize)
 
     scale = micro_batch_size / profile.micro_batch_size
+    temporaries = profile.temporary_bytes
     if activation_checkpointing and profile.block_saved_bytes:
         # each block keeps only its input (replicated over tensor-parallel ranks, no sequence parallelism); in
-        # backward one block's activations are rebuilt at a time
-        block_part = sum(profile.block_input_bytes) / stages + max(profile.block_saved_bytes) / tp
+        # backward one block's activations are rebuilt at a time, after the loss's temporaries are gone
+        block_part = sum(profile.block_input_bytes) / stages
+        temporaries = max(temporaries, max(profile.block_saved_bytes) / tp)
     else:
         block_part = sum(profile.block_saved_bytes) / (tp * stages)
     kept = block_part + profile.other_saved_bytes
@@ -426,7 +430,7 @@ def spread(
         microbatches = pipeline_microbatches or stages
         # 1F1B's first stage holds `stages` pipeline micro-batches (of micro batch / microbatches samples) in flight
         kept *= min(stages, microbatches)
-    activations = int(scale * (kept + profile.temporary_bytes) / microbatches)
+    activations = int(scale * (kept + temporaries) / microbatches)
 
     other_parts = []
     compute_itemsize = (profile.compute_dtype or profile.parameter_dtype).itemsize
@@ -485,6 +489,6 @@ def parse_memory_size(text: str) -> int:
     if match is None or (match.group(3) and not match.group(2)):
         raise UserError(f"device memory {text!r} is not a size: write e.g. 16GiB, 80GB or 17179869184")
     number, prefix, binary, unit = match.groups()
-    power = "kmgt".find(prefix.lower()) + 1
+    power = "kmgt".index(prefix.lower()) + 1 if prefix else 0
     base = 1000 if (prefix and unit and not binary) else 1024  # GB: decimal; GiB, G: binary
     return int(float(number) * base**power)
