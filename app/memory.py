@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -250,13 +250,18 @@ def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def repeated_blocks(network: nn.Module) -> list[nn.Module]:
-    """The network's repeated layers: the children of its largest ModuleList or ModuleDict (GPT's blocks, a BERT
-    encoder's layers, a ResNet stage's blocks). Networks laid out otherwise pass ``blocks`` to the estimator."""
-    containers = [module for module in network.modules() if isinstance(module, (nn.ModuleList, nn.ModuleDict))]
-    if not containers:
+    """The network's repeated layers: the children of its ModuleLists, ModuleDicts and Sequentials that hold one
+    class only (GPT's blocks, a BERT encoder's layers, a ResNet's residual blocks over its stages), of the class that
+    holds the most parameters. Networks laid out otherwise pass ``blocks`` to the estimator."""
+    by_class: dict[type, list[nn.Module]] = {}
+    for module in network.modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and len(module) > 0:
+            children = list(module.children())
+            if len({type(child) for child in children}) == 1 and not isinstance(children[0], nn.Sequential):
+                by_class.setdefault(type(children[0]), []).extend(children)
+    if not by_class:
         return []
-    largest = max(containers, key=len)
-    return list(largest.values() if isinstance(largest, nn.ModuleDict) else largest)
+    return max(by_class.values(), key=lambda blocks: sum(p.numel() for block in blocks for p in block.parameters()))
 
 
 def profile_network(
@@ -393,7 +398,7 @@ def estimate_memory(
         mixed = profile_network(build_network, step_loss, micro_batch_size, "bf16-mixed", device_type, blocks)
         advice.append(("bf16-mixed precision", spread(mixed, micro_batch_size, **layout).total))
     advice.sort(key=lambda change: change[1])
-    return MemoryEstimate(**{**estimate.__dict__, "advice": tuple(advice)})
+    return replace(estimate, advice=tuple(advice))
 
 
 def spread(
@@ -425,7 +430,7 @@ def spread(
     else:
         block_part = sum(profile.block_saved_bytes) / (tp * stages)
     kept = block_part + profile.other_saved_bytes
-    microbatches = pipeline_microbatches or 1
+    microbatches = 1
     if stages > 1:
         microbatches = pipeline_microbatches or stages
         # 1F1B's first stage holds `stages` pipeline micro-batches (of micro batch / microbatches samples) in flight

@@ -103,10 +103,11 @@ def measure(row: Row, device_type: str) -> int:
     config = MODELS[row.model]
     autocast_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(row.precision)
 
-    def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_size: int, vocab: int, length: int) -> None:
+    def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: int, vocab: int, length: int) -> None:
         for _ in range(row.accumulation):
-            tokens = torch.randint(0, vocab, (batch_size, length + 1), device=device)
-            with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            tokens = torch.randint(0, vocab, (batch, length + 1), device=device)
+            mixed = autocast_dtype is not None
+            with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=mixed):
                 logits = model(tokens[:, :-1])
                 loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
             del logits  # Lightning's training_step returns the loss only

@@ -55,7 +55,8 @@ def test_gpt2_state_is_exact_and_costs_nothing_to_estimate() -> None:
 
 
 def test_fsdp_divides_the_state_by_the_data_parallel_size() -> None:
-    ddp, fsdp = gpt2_estimate(strategy="ddp", data_parallel_size=8), gpt2_estimate(strategy="fsdp", data_parallel_size=8)
+    ddp = gpt2_estimate(strategy="ddp", data_parallel_size=8)
+    fsdp = gpt2_estimate(strategy="fsdp", data_parallel_size=8)
     assert fsdp.parameters == GPT2_PARAMETERS * 4 // 8
     assert fsdp.gradients == fsdp.parameters and fsdp.optimizer_state == 2 * fsdp.parameters
     assert fsdp.activations == ddp.activations
@@ -134,6 +135,9 @@ def test_repeated_blocks_are_found() -> None:
         model = GPT(GPT2)
     assert repeated_blocks(model) == list(model.blocks.values())
     assert repeated_blocks(torch.nn.Linear(2, 2)) == []
+    stages = [torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), torch.nn.Conv2d(3, 3, 1)) for _ in range(2)]
+    resnet_like = torch.nn.Sequential(torch.nn.Linear(2, 2), *stages)  # stages of blocks, as a ResNet's
+    assert repeated_blocks(resnet_like) == [conv for stage in stages for conv in stage]
 
 
 def test_does_not_fit_names_the_need_and_what_helps() -> None:
