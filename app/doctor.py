@@ -28,13 +28,15 @@ import torch
 import torch.distributed as dist
 from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.cli import LightningArgumentParser
 from lightning.pytorch.utilities import move_data_to_device
 
 from app.cli import CohortCLI
 from app.comm import time_collective
 from app.commands import describe
 from app.launch import Launch, detect_launch, join_process_group, launch_device
-from app.preflight import Preflight, class_of, log_root, model_class
+from app.memory import estimate_memory, parse_memory_size, visible_device_memory
+from app.preflight import Preflight, class_of, is_fsdp, log_root, model_class, strategy_name
 from core.errors import UserError
 from core.run_plan import RunPlan
 from models.module import DERIVED_FROM_DATA, CohortModule
@@ -69,14 +71,48 @@ def check_bandwidth(device: torch.device) -> Check:
                  "" if n > 1 else "one process: nothing to measure")
 
 
-def instantiate_family(config: Namespace) -> tuple[LightningDataModule, CohortModule]:
+def instantiate_family(config: Namespace) -> tuple[LightningDataModule | None, CohortModule | None, list[Check]]:
     """The config's datamodule and model, as the CLI would make them, without building the network (the model's
-    configure_model does that). What the datamodule derives from its data (an image folder's classes) is handed to
-    the model as the CLI's instantiation links hand it."""
-    data = class_of(config.data.class_path)(**vars(config.data.init_args))
-    model_args = vars(config.model.init_args) | {name: getattr(data, name) for name in DERIVED_FROM_DATA
-                                                 if hasattr(data, name)}
-    return data, model_class(config)(**model_args)
+    configure_model does that): what the datamodule derives from its data (an image folder's classes) is handed
+    to the model as the CLI's instantiation links hand it. A model that needs nothing from the data is made even
+    when the data is missing, so that the memory estimate can be given before the data exists."""
+    data, problems = None, []
+    try:
+        data = class_of(config.data.class_path)(**vars(config.data.init_args))
+    except UserError as error:
+        problems.append(Check("data", "fail", str(error)))
+    derived = {name: getattr(data, name) for name in DERIVED_FROM_DATA if hasattr(data, name)}
+    try:
+        return data, model_class(config)(**vars(config.model.init_args) | derived), problems
+    except UserError as error:
+        return data, None, problems if data is None else [*problems, Check("model", "fail", str(error))]
+
+
+def check_memory(config: Namespace, model: CohortModule, plan: RunPlan) -> Check:
+    """Per-device memory of a training step under the config's strategy and precision (app/memory.py), against
+    --device_memory or, on a GPU, its size."""
+    trainer = config.trainer
+    on_gpu = trainer.accelerator in ("gpu", "cuda") or (trainer.accelerator == "auto" and torch.cuda.is_available())
+    name = strategy_name(trainer.strategy)
+    sharded = is_fsdp(trainer.strategy) or name.endswith(("ModelParallelStrategy", "PipelineParallelStrategy"))
+    strategy = "fsdp" if sharded else "ddp" if plan.data_parallel_size > 1 else "single"
+    fsdp_checkpointing = getattr(getattr(trainer.strategy, "init_args", None), "activation_checkpointing_policy", None)
+    meta = torch.device("meta")
+    estimate = estimate_memory(
+        model.plain_network,
+        lambda network, micro: model.batch_loss(network, model.example_batch(micro, plan.sequence_length, meta)),
+        plan.micro_batch_size, plan.precision, strategy, plan.data_parallel_size, plan.tensor_parallel_size,
+        plan.pipeline_parallel_size, plan.pipeline_microbatches if plan.pipeline_parallel_size > 1 else None,
+        activation_checkpointing=bool(model.hparams.get("activation_checkpointing") or fsdp_checkpointing),
+        device_type="cuda" if on_gpu else "cpu",
+    )
+    if config.device_memory is not None:
+        size = parse_memory_size(config.device_memory)
+    elif on_gpu and torch.cuda.is_available():
+        size = visible_device_memory()
+    else:
+        return Check("memory", "pass", estimate.describe(), "add --device_memory 16GiB (any size) to check it fits a GPU")
+    return Check("memory", "pass" if estimate.fits(size) else "fail", estimate.describe(size))
 
 
 def check_data(data: LightningDataModule, model: CohortModule, plan: RunPlan, rank: int,
@@ -159,6 +195,12 @@ class DoctorCLI(CohortCLI):
     def parser_descriptions(self) -> dict[str, Any]:
         return {"prog": "cohort doctor", "description": describe("doctor")}
 
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        super().add_arguments_to_parser(parser)
+        parser.add_argument("--device_memory", type=str | None, default=None,
+                            help="check the memory estimate against a GPU of this size, e.g. 16GiB or 80GB (default: "
+                                 "the visible GPU's)")
+
     def before_instantiate_classes(self) -> None:
         """The checks below report problems as findings instead of stopping at the first."""
 
@@ -191,13 +233,17 @@ def main(argv: list[str]) -> None:
         checks.append(barrier)
         if joined:
             checks.append(check_bandwidth(device))
-    try:
-        data, model = instantiate_family(config)
-        if preflight.plan is not None:
+    data, model, problems = instantiate_family(config)
+    checks += problems
+    if model is not None and preflight.plan is not None:
+        checks.append(check_memory(config, model, preflight.plan))
+    if data is not None and model is not None and preflight.plan is not None:
+        try:
             checks.append(check_data(data, model, preflight.plan, rank, device))
+        except UserError as error:
+            checks.append(Check("data", "fail", str(error)))
+    if model is not None:
         checks += check_disk_space(config, model.num_parameters())
-    except UserError as error:
-        checks.append(Check("data", "fail", str(error)))
     if rank == 0:
         print(f"cohort doctor: rank 0 of {world_size} on {socket.gethostname()}\n{format_table(checks)}")
     if joined:

@@ -116,20 +116,22 @@ class MemoryEstimate:
     def describe(self, device_memory_bytes: int | None = None) -> str:
         """A few lines: the total and its parts in GiB, against ``device_memory_bytes`` if given, and when it does
         not fit, what would help."""
-        def gib(size: int) -> str:
-            return f"{size / GIB:.1f}"
+        unit, scale = ("GiB", GIB) if self.total >= GIB else ("MiB", 2**20)  # small models in MiB, not "0.0 GiB"
+
+        def size_in(size: int) -> str:
+            return f"{size / scale:.1f}"
 
         parts = [("parameters", self.parameters), ("gradients", self.gradients),
                  ("optimizer", self.optimizer_state), ("activations", self.activations),
                  *self.other_parts, *self.overhead_parts]
-        line = (f"needs {gib(self.total)} GiB per device ("
-                + ", ".join(f"{name} {gib(size)}" for name, size in parts if size) + ")")
+        line = (f"needs {size_in(self.total)} {unit} per device ("
+                + ", ".join(f"{name} {size_in(size)}" for name, size in parts if size) + ")")
         if device_memory_bytes is None:
             return line
-        line += f" of {gib(device_memory_bytes)} GiB"
+        line += f" of {device_memory_bytes / GIB:.1f} GiB"
         if self.fits(device_memory_bytes):
-            return f"{line}: fits ({gib(device_memory_bytes - self.total)} GiB to spare)"
-        helps = [f"{change} ({gib(total)} GiB{'' if total > device_memory_bytes else ', fits'})"
+            return f"{line}: fits ({(device_memory_bytes - self.total) / GIB:.1f} GiB to spare)"
+        helps = [f"{change} ({size_in(total)} {unit}{'' if total > device_memory_bytes else ', fits'})"
                  for change, total in self.advice]
         return f"{line}: does not fit" + (": would help: " + "; ".join(helps) if helps else "")
 

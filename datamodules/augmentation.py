@@ -69,14 +69,3 @@ def augment_image(image: torch.Tensor, generator: torch.Generator, augmentation:
         image = image.flip(-1)
     return image
 
-
-def augment_batch(images: torch.Tensor, seed: int, data_parallel_rank: int, step: int, micro_batch_index: int,
-                  augmentation: Augmentation) -> torch.Tensor:
-    """A (B, C, H, W) micro-batch, each image augmented with its own coordinates' generator (see the module
-    docstring). Gives exactly what ``AugmentedImages`` gives for the same samples in the DataLoader, so a caller that
-    knows the coordinates (a hook after the batch reached the device) may augment there instead."""
-    if not augmentation.enabled:
-        return images
-    generators = [torch.Generator().manual_seed(augmentation_seed(seed, data_parallel_rank, step, micro_batch_index,
-                                                                  position)) for position in range(len(images))]
-    return torch.stack([augment_image(image, generator, augmentation) for image, generator in zip(images, generators)])

@@ -146,10 +146,15 @@ class BertMaskedLanguageModel(CohortModule):
         return mask_tokens(tokens, generator, self.config.vocab_size, self.special_tokens.mask,
                            self.special_tokens.ids, self.hparams.mask_probability)
 
+    @staticmethod
+    def mask_seed(plan: RunPlan, global_rank: int, step: int, batch_idx: int) -> int:
+        """The seed of a training micro-batch's masks: ranks of a tensor-parallel group (one data-parallel rank)
+        must mask alike; every other rank, step and micro-batch masks differently."""
+        return derive_seed(plan.seed, "mask", plan.data_parallel_rank(global_rank), step, batch_idx)
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         plan = run_plan_of(self)
-        seed = derive_seed(plan.seed, "mask", plan.data_parallel_rank(self.global_rank), self.global_step, batch_idx)
-        loss = self.batch_loss(self.model, batch, seed)
+        loss = self.batch_loss(self.model, batch, self.mask_seed(plan, self.global_rank, self.global_step, batch_idx))
         if plan.ends_optimizer_step(batch_idx):  # a step's logged value is its last micro-batch's
             self.log("train/loss", loss, prog_bar=True)
             self.log("lr", self.lr_schedulers().get_last_lr()[0])

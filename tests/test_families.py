@@ -1,0 +1,147 @@
+"""The model families a config picks by class_path (GPT, BERT, the image classifier): each trains through the same
+CLI, resumes exactly, keeps its randomness (BERT's masks, the images' augmentation) per rank and per step, and is
+refused with one line where it cannot run; and the doctor's memory estimate answers the lesson's BERT-large question.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.doctor import main as doctor
+from core.run_plan import RunPlan
+from core.seeding import derive_seed
+from core.tokens import IGNORE_INDEX
+from models.masked_language_model import BertMaskedLanguageModel
+from tests.helpers import (CONFIG_DIR, DDP_2, assert_weights_equal, fit, fit_killed_mid_accumulation,
+                           last_checkpoint, last_checkpoint_weights, one_line_error, scalars)
+
+BERT = ["-c", str(CONFIG_DIR / "bert-small/pretrain.yaml")]
+DIGITS = ["-c", str(CONFIG_DIR / "resnet-small/digits.yaml")]
+
+
+def bert_run(byte_corpus: Path) -> list[str]:
+    """The BERT recipe made small: bert-tiny, 6 steps of 2 micro-batches, a checkpoint every 3."""
+    return [*BERT, "--model.model_name", "bert-tiny", "--data.data_dir", str(byte_corpus),
+            "--data.sequence_length", "64", "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
+            "--trainer.max_steps", "6", "--checkpoint.every_n_train_steps", "3", "--val_every_n_steps", "6",
+            "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "1", "--model.warmup_steps", "2"]
+
+
+def digits_run(steps: int) -> list[str]:
+    return [*DIGITS, "--trainer.max_steps", str(steps), "--val_every_n_steps", str(steps),
+            "--checkpoint.every_n_train_steps", str(max(1, steps // 2)), "--trainer.log_every_n_steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def bert_straight(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) -> Path:
+    return fit(tmp_path_factory.mktemp("bert-straight"), bert_run(byte_corpus))
+
+
+@pytest.fixture(scope="module")
+def digits_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The digits recipe: the whole run on 1 process and on 2, and a short run twice."""
+    root = tmp_path_factory.mktemp("digits")
+    return {"one": fit(root / "one", DIGITS), "two": fit(root / "two", [*DIGITS, *DDP_2]),
+            "short": fit(root / "short", digits_run(8)), "short again": fit(root / "short again", digits_run(8))}
+
+
+def test_masks_differ_across_ranks_and_steps_and_repeat_for_the_same_coordinates() -> None:
+    """The seed BERT's training_step masks with: (seed, data-parallel rank, step, micro-batch), nothing else."""
+    model = BertMaskedLanguageModel("bert-tiny", vocab_size=256)
+    plan = RunPlan(devices_per_node=2, num_nodes=1, data_parallel_size=2, tensor_parallel_size=1,
+                   global_batch_size=8, micro_batch_size=4, sequence_length=64, precision="32-true", seed=7)
+    window = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
+
+    def masks(rank: int, step: int, micro_batch: int) -> torch.Tensor:
+        return model.masked(window, model.mask_seed(plan, rank, step, micro_batch))[1]
+
+    assert torch.equal(masks(0, 3, 1), masks(0, 3, 1))
+    for other in (masks(1, 3, 1), masks(0, 4, 1), masks(0, 3, 0)):
+        assert not torch.equal(masks(0, 3, 1), other)
+    assert model.mask_seed(plan, 0, 3, 1) == derive_seed(7, "mask", 0, 3, 1)
+    labels = masks(0, 3, 1)
+    chosen = labels != IGNORE_INDEX
+    assert 0.05 < chosen.float().mean() < 0.3  # about 15 % of the tokens; [CLS] and [SEP] never
+    assert not chosen[:, 0].any() and not chosen[:, -1].any()
+
+
+@pytest.mark.slow
+def test_bert_trains_and_resumes_bitwise_after_a_kill(tmp_path: Path, byte_corpus: Path, bert_straight: Path) -> None:
+    """Killed mid-step 4 and resumed from step 3: the same weights as the straight run, so every mask after the
+    resume was the one the straight run drew."""
+    losses = scalars(bert_straight, "train/loss")
+    assert losses[-1] < losses[0]
+    assert scalars(bert_straight, "val/masked_accuracy")
+    interrupted = tmp_path / "interrupted"
+    fit_killed_mid_accumulation(interrupted, bert_run(byte_corpus))
+    fit(interrupted, bert_run(byte_corpus), "--ckpt_path", "last")
+    assert_weights_equal(last_checkpoint_weights(bert_straight), last_checkpoint_weights(interrupted))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_family_is_refused_in_one_line(bert_straight: Path, debug_run_args: list[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    message = one_line_error(["fit", *debug_run_args, "--ckpt_path", str(last_checkpoint(bert_straight))],
+                             monkeypatch)
+    assert "holds a BertMaskedLanguageModel but the config's model.class_path is models.language_model" in message
+
+
+@pytest.mark.slow
+def test_the_digits_classifier_reaches_the_same_accuracy_on_two_processes(digits_runs: dict[str, Path]) -> None:
+    """The same global batch of 64 on 1 process (2 micro-batches of 32) and on 2 (one each): the augmentation draws
+    differ (they follow the rank), so the runs are not equal, but both learn the digits."""
+    one, two = scalars(digits_runs["one"], "val/accuracy")[-1], scalars(digits_runs["two"], "val/accuracy")[-1]
+    assert one > 0.93 and two > 0.93, (one, two)
+    assert abs(one - two) < 0.03, (one, two)
+
+
+@pytest.mark.slow
+def test_the_same_seed_reproduces_a_digits_run_and_a_resume_continues_it_bitwise(
+        digits_runs: dict[str, Path], tmp_path: Path) -> None:
+    straight = last_checkpoint_weights(digits_runs["short"])
+    assert_weights_equal(straight, last_checkpoint_weights(digits_runs["short again"]))
+    interrupted = tmp_path / "interrupted"
+    fit_killed_mid_accumulation(interrupted, digits_run(8))
+    fit(interrupted, digits_run(8), "--ckpt_path", "last")
+    assert_weights_equal(straight, last_checkpoint_weights(interrupted))
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([*BERT, "--model.mask_token_id", "300"], "model.mask_token_id=300 must be a token id in [0, 256)"),
+    ([*BERT, "--model.mask_token_id", "5"], "model.cls_token_id=None must be a token id in [0, 256)"),
+    ([*BERT, "--model.mask_probability", "1.5"], "model.mask_probability=1.5 must be between 0 and 1"),
+    ([*BERT, "--model.model_name", "bert-huge"], "unknown model.model_name 'bert-huge'"),
+    ([*BERT, "--data.sequence_length", "256"], "data.sequence_length=256 exceeds the 128 positions"),
+    ([*DIGITS, "--model.model_name", "resnet-1000"], "unknown model.model_name 'resnet-1000'"),
+    ([*DIGITS, "-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")], "the image classifier ('resnet-small') is data "
+                                                                      "parallel only"),
+    ([*DIGITS, "--data.data_dir", "no_such_folder"], "no_such_folder"),
+], ids=["special-token-outside", "special-token-missing", "mask-probability", "bert-size", "bert-positions", "resnet-size", "resnet-pipeline",
+        "image-folder"])
+def test_a_family_setting_that_cannot_work_is_one_line(flags: list[str], expected: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert expected in one_line_error(["fit", *flags, "--trainer.max_steps", "1"], monkeypatch)
+
+
+@pytest.mark.parametrize("layout, fits", [(["-c", str(CONFIG_DIR / "trainer/gpu_bf16.yaml"),
+                                            "--data.micro_batch_size", "64"], False),
+                                          (["-c", str(CONFIG_DIR / "trainer/ddp_gpu_bf16.yaml"),
+                                            "--trainer.devices", "8"], True)], ids=["64-on-one-gpu", "8-on-8-gpus"])
+def test_the_doctor_answers_whether_bert_large_fits_a_16_gb_gpu(layout: list[str], fits: bool,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The lesson's example: batch 64 of BERT-large on one 16 GB GPU does not fit; 8 per GPU on 8 GPUs does. (This
+    machine has no GPU and no token files, so the doctor also fails those checks; the memory line is the point.)"""
+    with pytest.raises(SystemExit):
+        doctor(["-c", str(CONFIG_DIR / "bert-large/pretrain.yaml"), *layout, "--device_memory", "16GiB"])
+    line = next(line for line in capsys.readouterr().out.splitlines() if " memory " in line)
+    needed = float(re.search(r"needs ([0-9.]+) GiB", line).group(1))
+    if fits:
+        assert line.startswith("PASS") and "fits" in line and 8 < needed < 16, line
+    else:
+        assert line.startswith("FAIL") and "does not fit" in line and needed > 32, line
+        assert "activation checkpointing" in line  # what would help
