@@ -2,9 +2,10 @@
 RoBERTa showed it does not help), on the same token files as the GPT.
 
 Each (B, T) window of the data becomes one sequence: [CLS], the window's tokens 1 .. T-2, [SEP]. Its corruption
-(models/masking.py) is drawn from a generator seeded by (seed, data-parallel rank, optimizer step, micro-batch), so
-masks differ across ranks and steps, and a resumed run masks exactly as the uninterrupted one did. Validation masks
-follow from (seed, data-parallel rank, batch), the same in every validation.
+(models/masking.py) is drawn from a generator seeded by (seed, optimizer step, the micro-batch's place in the step's
+global batch), so masks differ across ranks and steps, a resumed run masks exactly as the uninterrupted one did, and
+a run on 2 processes masks its samples as a run on 1 does. Validation masks follow from (seed, data-parallel rank,
+batch), the same in every validation.
 """
 
 from __future__ import annotations
@@ -148,9 +149,13 @@ class BertMaskedLanguageModel(CohortModule):
 
     @staticmethod
     def mask_seed(plan: RunPlan, global_rank: int, step: int, batch_idx: int) -> int:
-        """The seed of a training micro-batch's masks: ranks of a tensor-parallel group (one data-parallel rank)
-        must mask alike; every other rank, step and micro-batch masks differently."""
-        return derive_seed(plan.seed, "mask", plan.data_parallel_rank(global_rank), step, batch_idx)
+        """The seed of a training micro-batch's masks, from its place in the step's global batch: micro-batch a of
+        data-parallel rank r holds the step's (a x data-parallel size + r)-th group of micro_batch_size samples
+        (datamodules/samplers.py). So ranks and steps mask differently, ranks of one tensor-parallel group alike,
+        and the same samples get the same masks at any world size with the same micro batch."""
+        within_step = batch_idx % plan.accumulation
+        group = within_step * plan.data_parallel_size + plan.data_parallel_rank(global_rank)
+        return derive_seed(plan.seed, "mask", step, group)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         plan = run_plan_of(self)

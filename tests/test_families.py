@@ -16,8 +16,9 @@ from core.run_plan import RunPlan
 from core.seeding import derive_seed
 from core.tokens import IGNORE_INDEX
 from models.masked_language_model import BertMaskedLanguageModel
-from tests.helpers import (CONFIG_DIR, DDP_2, assert_weights_equal, fit, fit_killed_mid_accumulation,
-                           last_checkpoint, last_checkpoint_weights, one_line_error, scalars)
+from tests.helpers import (COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_weights_close, assert_weights_equal, fit,
+                           fit_killed_mid_accumulation, last_checkpoint, last_checkpoint_weights, one_line_error,
+                           scalars)
 
 BERT = ["-c", str(CONFIG_DIR / "bert-small/pretrain.yaml")]
 DIGITS = ["-c", str(CONFIG_DIR / "resnet-small/digits.yaml")]
@@ -41,6 +42,23 @@ def bert_straight(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) -
     return fit(tmp_path_factory.mktemp("bert-straight"), bert_run(byte_corpus))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [MODEL_PARALLEL, [*MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size",
+                                                     "1", "--trainer.strategy.init_args.tensor_parallel_size", "2"]],
+                         ids=["fsdp2-dp2", "tp2"])
+def test_bert_trains_under_fsdp2_and_tensor_parallelism_as_one_process_does(
+        layout: list[str], tmp_path: Path, byte_corpus: Path) -> None:
+    """The GPT's parallel layouts, applied to BERT's blocks by models/parallelize.py: the same gradient norm at every
+    step (clipping bites) and the same final weights as one process, since the masks follow the samples."""
+    run = [*bert_run(byte_corpus), *COMPARABLE_RUN]
+    one, other = fit(tmp_path / "one", run), fit(tmp_path / "other", [*run, *layout])
+    assert scalars(other, "train/grad_norm") == pytest.approx(scalars(one, "train/grad_norm"), rel=1e-5)
+    # the key bias's true gradient is zero (softmax ignores a shift all keys share): it moves by rounding noise
+    weights = [{name: tensor for name, tensor in last_checkpoint_weights(run_dir).items()
+                if not name.endswith("attn.key.bias")} for run_dir in (one, other)]
+    assert_weights_close(*weights, rtol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def digits_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The digits recipe: the whole run on 1 process and on 2, and a short run twice."""
@@ -50,10 +68,12 @@ def digits_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_masks_differ_across_ranks_and_steps_and_repeat_for_the_same_coordinates() -> None:
-    """The seed BERT's training_step masks with: (seed, data-parallel rank, step, micro-batch), nothing else."""
+    """The seed BERT's training_step masks with: (seed, step, the micro-batch's place in the global batch)."""
     model = BertMaskedLanguageModel("bert-tiny", vocab_size=256)
     plan = RunPlan(devices_per_node=2, num_nodes=1, data_parallel_size=2, tensor_parallel_size=1,
-                   global_batch_size=8, micro_batch_size=4, sequence_length=64, precision="32-true", seed=7)
+                   global_batch_size=16, micro_batch_size=4, sequence_length=64, precision="32-true", seed=7)
+    one_process = RunPlan(devices_per_node=1, num_nodes=1, data_parallel_size=1, tensor_parallel_size=1,
+                          global_batch_size=16, micro_batch_size=4, sequence_length=64, precision="32-true", seed=7)
     window = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
 
     def masks(rank: int, step: int, micro_batch: int) -> torch.Tensor:
@@ -62,7 +82,9 @@ def test_masks_differ_across_ranks_and_steps_and_repeat_for_the_same_coordinates
     assert torch.equal(masks(0, 3, 1), masks(0, 3, 1))
     for other in (masks(1, 3, 1), masks(0, 4, 1), masks(0, 3, 0)):
         assert not torch.equal(masks(0, 3, 1), other)
-    assert model.mask_seed(plan, 0, 3, 1) == derive_seed(7, "mask", 0, 3, 1)
+    # micro-batch 1 of rank 1 reads the step's 4th group of 4 samples, as micro-batch 3 of a single process does
+    assert model.mask_seed(plan, 1, 3, 1) == model.mask_seed(one_process, 0, 3, 3) == derive_seed(7, "mask", 3, 3)
+    assert model.mask_seed(plan, 0, 3, 1 + plan.accumulation) == model.mask_seed(plan, 0, 3, 1)  # epochs count on
     labels = masks(0, 3, 1)
     chosen = labels != IGNORE_INDEX
     assert 0.05 < chosen.float().mean() < 0.3  # about 15 % of the tokens; [CLS] and [SEP] never
