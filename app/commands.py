@@ -4,18 +4,18 @@ the Lightning subcommands' own ``--help`` (app/cli.py) repeats them, so the thre
 
 from __future__ import annotations
 
-DESCRIPTION = ("Cohort trains GPT language models with PyTorch Lightning, on one CPU or on many GPUs and nodes with\n"
-               "the same config, and resumes runs exactly.")
+DESCRIPTION = ("Cohort trains GPT and BERT language models and image classifiers with PyTorch Lightning, on one CPU\n"
+               "or on many GPUs and nodes with the same config, and resumes runs exactly.")
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")  # LightningCLI's (app/cli.py); the others are Cohort's
 
 COMMANDS: dict[str, str] = {
     "fit": "train a model (-c configs/quickstart.yaml); --ckpt_path last resumes the newest run",
-    "validate": "the validation loss and perplexity of a checkpoint (--ckpt_path)",
-    "test": "the test loss and perplexity of a checkpoint (--ckpt_path)",
-    "predict": "continue prompts with a checkpoint's model (--ckpt_path, --data.prompts)",
+    "validate": "the validation metrics (loss; perplexity or accuracy) of a checkpoint (--ckpt_path)",
+    "test": "the test loss and perplexity of a GPT checkpoint (--ckpt_path)",
+    "predict": "continue prompts with a GPT checkpoint (--ckpt_path, --data.prompts)",
     "prepare": "turn text files or folders into train.bin and val.bin (bytes or any tokenizer.json) for fit",
-    "doctor": "pre-flight checks, run with the launcher and config of the job they precede",
+    "doctor": "pre-flight checks and the memory estimate, run with the launcher and config of the job they precede",
     "comm": "collective bandwidth (all-reduce, all-gather, reduce-scatter) of the launched processes",
     "consolidate": "turn a sharded checkpoint folder into one file, for any strategy or load_from_checkpoint",
     "export": "write a checkpoint as a Hugging Face GPT-2 folder (--out) that transformers loads",

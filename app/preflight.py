@@ -62,9 +62,9 @@ class Preflight:
     def check_run_plan(self) -> str:
         self.plan = check_config(self.config)
         family = model_class(self.config)
-        if self.subcommand == "predict" and not family.predicts:
-            raise UserError(f"{family.__name__} has no predict (only the GPT family generates): cohort validate "
-                            "reports its validation metrics")
+        if self.subcommand is not None and self.subcommand not in family.commands:
+            raise UserError(f"{family.__name__} has no {self.subcommand} (it has {', '.join(family.commands)}): "
+                            "cohort validate reports its validation metrics")
         if self.subcommand == "predict" and self.plan.pipeline_parallel_size > 1:
             raise UserError("predict samples token by token through the whole model, which a pipeline splits: run "
                             "cohort consolidate on the checkpoint, then predict on one process (configs/trainer/cpu.yaml)")

@@ -23,7 +23,7 @@ from models.pipeline import Pipeline, rank_stages
 
 
 class GPTLanguageModel(CohortModule):
-    predicts = True  # continues the datamodule's prompts
+    commands = ("fit", "validate", "test", "predict")  # test: the loss on val.bin; predict continues prompts
     def __init__(
         self,
         model_name: str = "small",

@@ -40,7 +40,7 @@ class CohortModule(L.LightningModule):
     read here (learning_rate, min_learning_rate_ratio, weight_decay, betas, warmup_steps, lr_decay_steps,
     global_batch_size, reference_batch_size) and build ``self.model`` in ``configure_model``."""
 
-    predicts: ClassVar[bool] = False  # whether ``cohort predict`` means something for the family (GPT continues prompts)
+    commands: ClassVar[tuple[str, ...]] = ("fit", "validate")  # the Lightning subcommands the family has steps for
 
     def __init__(self) -> None:
         super().__init__()

@@ -167,3 +167,9 @@ def test_the_doctor_answers_whether_bert_large_fits_a_16_gb_gpu(layout: list[str
     else:
         assert line.startswith("FAIL") and "does not fit" in line and needed > 32, line
         assert "activation checkpointing" in line  # what would help
+
+
+def test_a_command_the_family_has_no_step_for_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert "BertMaskedLanguageModel has no predict" in one_line_error(["predict", *BERT], monkeypatch)
+    assert "ImageClassifier has no test (it has fit, validate)" in one_line_error(["test", *DIGITS], monkeypatch)
