@@ -63,6 +63,7 @@ def check_on_mesh(rank: int, port: int, data_parallel: int, tensor_parallel: int
         # leave together: a rank tearing gloo down while its peer is still inside a collective aborted with
         # "terminate called without an active exception" once in CI
         dist.barrier()
+        report[(rank, "done")] = True
     finally:
         dist.destroy_process_group()
 
@@ -71,8 +72,14 @@ def check_on_mesh(rank: int, port: int, data_parallel: int, tensor_parallel: int
 def mesh_report(request: pytest.FixtureRequest) -> tuple[tuple[int, int], dict]:
     data_parallel, tensor_parallel = request.param
     report = mp.Manager().dict()
-    mp.spawn(check_on_mesh, args=(free_port(), data_parallel, tensor_parallel, report),
-             nprocs=data_parallel * tensor_parallel)
+    world_size = data_parallel * tensor_parallel
+    try:
+        mp.spawn(check_on_mesh, args=(free_port(), data_parallel, tensor_parallel, report), nprocs=world_size)
+    except mp.ProcessExitedException as error:
+        # gloo's threads can still abort a rank as it tears down ("terminate called without an active exception",
+        # seen twice in CI, after the barrier; pytorch/pytorch#179291): what every rank reported before stands
+        if error.signal_name != "SIGABRT" or not all(report.get((rank, "done")) for rank in range(world_size)):
+            raise
     return request.param, dict(report)
 
 
