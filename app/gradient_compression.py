@@ -123,7 +123,14 @@ class GradientCompression(Callback):
         before = state.total_numel_after_compression  # torch adds what it all-reduces: (n + m) r per compressed
         future = powerSGD_hook(state, bucket)  # matrix (its P and Q), n m per tensor sent as it is
         self._step_bytes += (state.total_numel_after_compression - before) * buffer.element_size()
-        return future
+        if buffer.device.type == "cuda":
+            return future
+        # gloo completes work on its own threads, where torch's hook starts its P and Q all-reduces; the next
+        # bucket's all-reduce, started meanwhile by backward, could then go first on one rank and second on the
+        # other (seen: "Received data size doesn't match expected size"). On CPUs each bucket finishes first.
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(future.wait())
+        return done
 
     # ----- bytes per optimizer step -----
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
