@@ -26,6 +26,7 @@ from app.bad_steps import BadStepGuard
 from app.callbacks import NcclFlightRecorder, PerRankSeed, PrintPredictions
 from app.checkpoints import RunCheckpoint
 from app.commands import DESCRIPTION, LIGHTNING_COMMANDS, describe
+from app.gradient_compression import GradientCompression
 from app.monitoring import RankMonitor, ReplicaDivergenceError
 from app.preemption import PreemptionCheckpoint, preemption_callback
 from app.preflight import Preflight, check_config
@@ -128,6 +129,8 @@ class CohortCLI(LightningCLI):
                 "checkpoint.enable_version_counter": False,  # resumed runs keep writing last.ckpt
             }
         )
+        # DDP's gradient all-reduce: plain, bf16, fp16 or PowerSGD; registers the comm hook the monitor times
+        parser.add_lightning_class_args(GradientCompression, "gradient_compression")
         parser.add_lightning_class_args(RankMonitor, "monitor")  # per-rank timing, stragglers, MFU, memory
         parser.add_lightning_class_args(BadStepGuard, "bad_steps")  # NaN, inf and loss spikes: stop, skip, rollback
         parser.add_lightning_class_args(PreemptionCheckpoint, "preemption")  # SIGTERM, SIGUSR1: checkpoint, then stop

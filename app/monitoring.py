@@ -37,9 +37,9 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from app.flops import measured_peak_tflops, peak_tflops_per_device
+from app.gradient_compression import registered_compression
 from app.tensorboard_layout import log_final_val_loss, write_layout
 from core.run_plan import run_plan_of
 from models.pipeline import theoretical_bubble
@@ -168,21 +168,20 @@ class RankMonitor(Callback):
         self._reset_window()
 
     def _register_sync_timer(self, trainer: L.Trainer) -> bool:
-        """Time each backward's last gradient bucket with a DDP comm hook that then all-reduces as DDP would."""
+        """Time each backward's last gradient bucket: a listener on the DDP comm hook that app/gradient_compression.py
+        registers, whichever method it runs (plain all-reduce, bf16, fp16 or PowerSGD, whose compression counts as
+        sync wait too)."""
         if not isinstance(trainer.strategy, DDPStrategy) or trainer.world_size == 1:
             return False
-
-        # no annotations: DDP compares them as real types, and this module's are strings (PEP 563)
-        def timed_allreduce(state, bucket):  # type: ignore[no-untyped-def]
-            self._last_bucket_ready = Marker(self._cuda)
-            return allreduce_hook(state, bucket)
-
-        try:
-            trainer.strategy.model.register_comm_hook(state=None, hook=timed_allreduce)
-        except RuntimeError:  # only one hook per model: the user's own comes first
+        compression = registered_compression(trainer)
+        if compression is None:  # only one hook per model: the user's own came first
             rank_zero_info("monitor: another DDP comm hook is registered, so sync wait counts as compute")
             return False
+        compression.bucket_listeners.append(self._bucket_ready)
         return True
+
+    def _bucket_ready(self, bucket: dist.GradBucket) -> None:
+        self._last_bucket_ready = Marker(self._cuda)
 
     def _reset_window(self) -> None:
         self._window = dict.fromkeys(("data_wait_s", "compute_s", "sync_wait_s"), 0.0)

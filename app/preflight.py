@@ -19,8 +19,9 @@ from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElastic
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.checkpoints import check_checkpoint, find_last_checkpoint
+from app.gradient_compression import COMPRESSIONS
 from app.launch import parent_start_time, torchrun_restart
-from core.errors import UserError, check_writable_folder
+from core.errors import UserError, check_ranges, check_writable_folder
 from core.run_plan import RunPlan
 from datamodules.prepare import DEFAULT_CORPUS_DIR
 from models.module import CohortModule
@@ -123,6 +124,7 @@ def check_config(config: Namespace) -> RunPlan:
         pipeline_parallel_size=pipeline, **pipeline_options(trainer),
         unit=getattr(class_of(config.data.class_path), "unit", "tokens"),
     )
+    check_compression(getattr(config, "gradient_compression", None), trainer.strategy, plan.world_size)
     model_class(config).check_config(config.model.init_args, data, plan)
     if is_fsdp(trainer.strategy) and getattr(config.model.init_args, "activation_checkpointing", False):
         raise UserError("model.activation_checkpointing is for DDP and model_parallel; under fsdp set "
@@ -212,6 +214,34 @@ def check_strategy(strategy: str | Namespace | None, accelerator: str) -> None:
     if is_fsdp(strategy) and on_cpu:
         raise UserError("trainer.strategy fsdp needs CUDA GPUs: on CPUs use configs/trainer/model_parallel_cpu.yaml "
                         "(FSDP2 through ModelParallelStrategy over gloo)")
+
+
+def is_ddp(strategy: str | Namespace | None) -> bool:
+    """DDPStrategy, by name or class path; "auto" is DDP too on more than one device."""
+    name = strategy_name(strategy)
+    return name in ("", "auto") or name.startswith("ddp") or name.endswith("DDPStrategy")
+
+
+def check_compression(options: Namespace | None, strategy: str | Namespace | None, world_size: int) -> None:
+    """A UserError for a gradient compression that is unknown, not DDP's, or out of range; a note (not an error:
+    the same config runs on one process to debug, and trains there exactly) where there is nothing to compress."""
+    if options is None or options.method == "none":
+        return
+    method, field = options.method, "gradient_compression"
+    if method not in COMPRESSIONS:
+        raise UserError(f"{field}.method={method!r} is not a compression: use one of {', '.join(COMPRESSIONS)}")
+    if not is_ddp(strategy):
+        raise UserError(f"{field}.method={method} compresses DDP's gradient all-reduce, but trainer.strategy is "
+                        f"{strategy_name(strategy)}, which reduces gradients its own way: use a DDP preset "
+                        f"(configs/trainer/ddp_cpu.yaml, ddp_gpu_bf16.yaml) or set {field}.method none")
+    if method == "powersgd":
+        check_ranges(field, {"powersgd_rank": (options.powersgd_rank >= 1, "at least 1"),
+                             "powersgd_start_step": (options.powersgd_start_step >= 2,
+                                                     "at least 2 (DDP regroups its gradient buckets after step 1)")},
+                     {"powersgd_rank": options.powersgd_rank, "powersgd_start_step": options.powersgd_start_step})
+    if world_size == 1:
+        rank_zero_info(f"{field}: method {method} does nothing on one process (there is no all-reduce); the run "
+                       "trains with exact gradients")
 
 
 def precision_name(precision: str | int | None) -> str:

@@ -336,7 +336,7 @@ class KillAtStep(SignalAtStep):
 
 
 class GradientAllReduceCounter(Callback):
-    """Records, per rank, the training micro-batches whose backward all-reduced gradients (a DDP comm hook)."""
+    """Records, per rank, the training micro-batches whose backward all-reduced gradients (Cohort's DDP comm hook)."""
 
     def __init__(self, out_dir: str) -> None:
         self.out_dir = Path(out_dir)
@@ -344,13 +344,12 @@ class GradientAllReduceCounter(Callback):
         self.reducing_batches: set[int] = set()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from app.gradient_compression import registered_compression
 
-        def counting_hook(state: Any, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        def count(bucket: torch.distributed.GradBucket) -> None:
             self.reducing_batches.add(self.batch_idx)
-            return allreduce_hook(state, bucket)
 
-        trainer.strategy.model.register_comm_hook(state=None, hook=counting_hook)
+        registered_compression(trainer).bucket_listeners.append(count)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         self.batch_idx = batch_idx

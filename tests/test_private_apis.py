@@ -12,6 +12,7 @@ import torch
 from lightning.fabric.utilities import load
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 # (owner, attribute, who uses it and why)
 PRIVATE_METHODS = [
@@ -24,6 +25,7 @@ PRIVATE_METHODS = [
     (LightningCLI, "_parse_ckpt_path", "app/cli.py: keep the user's model config instead of the checkpoint's"),
     (load, "_load_distributed_checkpoint", "app/checkpoints.py load_sharded_checkpoint: shards as full tensors"),
     (torch, "_foreach_mul_", "models/parallelize.py: scale every mesh's gradients in one call when clipping"),
+    (powerSGD_hook, "_should_compress", "app/gradient_compression.py factor_slots: where torch puts each Q factor"),
 ]
 PRIVATE_ATTRIBUTES = [
     ("checkpoint", "_last_checkpoint_saved", "RunCheckpoint: the newest file, for messages and the history"),
