@@ -35,7 +35,7 @@ from app.cli import CohortCLI
 from app.comm import time_collective
 from app.commands import describe
 from app.launch import Launch, detect_launch, join_process_group, launch_device
-from app.memory import estimate_memory, parse_memory_size, visible_device_memory
+from app.memory import estimate_memory, module_step_loss, parse_memory_size, visible_device_memory
 from app.preflight import Preflight, class_of, is_fsdp, log_root, model_class, strategy_name
 from core.errors import UserError
 from core.run_plan import RunPlan
@@ -97,10 +97,8 @@ def check_memory(config: Namespace, model: CohortModule, plan: RunPlan) -> Check
     sharded = is_fsdp(trainer.strategy) or name.endswith(("ModelParallelStrategy", "PipelineParallelStrategy"))
     strategy = "fsdp" if sharded else "ddp" if plan.data_parallel_size > 1 else "single"
     fsdp_checkpointing = getattr(getattr(trainer.strategy, "init_args", None), "activation_checkpointing_policy", None)
-    meta = torch.device("meta")
     estimate = estimate_memory(
-        model.plain_network,
-        lambda network, micro: model.batch_loss(network, model.example_batch(micro, plan.sequence_length, meta)),
+        model.plain_network, module_step_loss(model, plan.sequence_length),
         plan.micro_batch_size, plan.precision, strategy, plan.data_parallel_size, plan.tensor_parallel_size,
         plan.pipeline_parallel_size, plan.pipeline_microbatches if plan.pipeline_parallel_size > 1 else None,
         activation_checkpointing=bool(model.hparams.get("activation_checkpointing") or fsdp_checkpointing),

@@ -21,7 +21,7 @@ formula: the forward and backward run on the meta device (shapes and dtypes, no 
 per storage (q, k and v are views of one qkv output). A dispatch mode follows every tensor the step creates, so
 that the peak of the temporaries (the logits, log-softmax and their gradients around the loss) is measured too.
 Attention is counted as the fused kernels (flash, memory-efficient) run it on GPUs and CPUs, not as the math path
-the meta device would take (see ``MetaStep``).
+the meta device would take (see ``MetaStep``), except where the CPU takes that path too: with attention dropout.
 
 Autocast does nothing on the meta device (it dispatches on the CPU and CUDA keys only), so mixed precision is
 emulated above autograd, as autocast itself sits: the ops autocast runs in half precision (matrix products,
@@ -38,7 +38,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -49,6 +49,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from core.errors import UserError
+
+if TYPE_CHECKING:
+    from models.module import CohortModule
 
 GIB = 2**30
 
@@ -212,12 +215,15 @@ class MetaStep(TorchFunctionMode):
     (above autograd), so autograd records them and saves their outputs as it does autocast's. And attention on
     the meta device takes the math path, which saves the (B, nh, T, T) attention matrix; on GPUs and CPUs
     ``scaled_dot_product_attention`` runs a fused kernel (flash, memory-efficient) that saves only q, k, v, the
-    output and a (B, nh, T) log-sum-exp: the CPU flash kernel stands in for them here."""
+    output and a (B, nh, T) log-sum-exp: the CPU flash kernel stands in for them here. The CPU's flash kernel has no
+    dropout, though: with ``dropout_p`` > 0 torch takes the math path there, which saves the attention probabilities,
+    the dropout mask and the dropped probabilities, each (B, nh, T, T) (BERT's 0.1); so does the meta device."""
 
     def __init__(self, dtype: torch.dtype | None, device_type: str, parameters: Sequence[nn.Parameter]) -> None:
         super().__init__()
         self.dtype = dtype
         self.float32_ops = AUTOCAST_FLOAT32[device_type]
+        self.device_type = device_type
         self.parameter_ids = {id(parameter) for parameter in parameters}
         self.cache: dict[int, torch.Tensor] = {}  # autocast casts each weight once per autocast region
 
@@ -238,7 +244,9 @@ class MetaStep(TorchFunctionMode):
         elif self.dtype is not None and (name in self.float32_ops or name == "cross_entropy_loss"):
             args, kwargs = tree_map(lambda value: self.cast(value, torch.float32), (args, kwargs))
         if name == "scaled_dot_product_attention" and not kwargs.get("enable_gqa"):
-            return fused_attention(*args, **kwargs)
+            dropout_p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+            if self.device_type == "cuda" or dropout_p == 0.0:  # else the math path, as on the CPU
+                return fused_attention(*args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -479,6 +487,17 @@ def next_token_loss(sequence_length: int, vocab_size: int) -> Callable[[nn.Modul
         tokens = torch.zeros(micro_batch_size, sequence_length, dtype=torch.long)
         logits = network(tokens)  # (B, T, vocab)
         return F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+    return step_loss
+
+
+def module_step_loss(model: CohortModule, sequence_length: int) -> Callable[[nn.Module, int], torch.Tensor]:
+    """``step_loss`` for any model family: its example batch of ``micro_batch_size`` samples, made on the meta device,
+    through its own ``batch_loss``. What ``cohort doctor`` estimates with (pass ``model.plain_network`` as
+    ``build_network``); ``sequence_length`` is the data's, which families without sequences ignore."""
+    meta = torch.device("meta")
+
+    def step_loss(network: nn.Module, micro_batch_size: int) -> torch.Tensor:
+        return model.batch_loss(network, model.example_batch(micro_batch_size, sequence_length, meta))
     return step_loss
 
 

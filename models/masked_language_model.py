@@ -142,7 +142,7 @@ class BertMaskedLanguageModel(CohortModule):
         tokens = window.clone()
         tokens[:, 0], tokens[:, -1] = self.special_tokens.cls, self.special_tokens.sep
         if tokens.device.type == "meta":
-            return tokens, tokens
+            return tokens, tokens.clone()  # two tensors, as mask_tokens makes: the loss saves one, the embedding one
         generator = torch.Generator(device=tokens.device).manual_seed(seed)
         return mask_tokens(tokens, generator, self.config.vocab_size, self.special_tokens.mask,
                            self.special_tokens.ids, self.hparams.mask_probability)

@@ -12,6 +12,7 @@ import torch
 from app.memory import (
     GIB,
     estimate_memory,
+    module_step_loss,
     next_token_loss,
     parse_memory_size,
     profile_network,
@@ -21,6 +22,9 @@ from app.memory import (
 )
 from core.errors import UserError
 from models.gpt import GPT, GPTConfig, gpt_config
+from models.image_classifier import ImageClassifier
+from models.masked_language_model import BertMaskedLanguageModel
+from models.module import CohortModule
 
 GPT2 = gpt_config("gpt2")
 GPT2_PARAMETERS = 124_439_808
@@ -128,6 +132,45 @@ def test_meta_profile_saves_what_a_real_cpu_forward_saves(precision: str) -> Non
                               precision, device_type="cpu")
     estimated = sum(profile.block_saved_bytes) + profile.other_saved_bytes + profile.weight_copy_bytes
     assert estimated == real_saved_bytes(config, 2, autocast=precision == "bf16-mixed")
+
+
+FAMILIES = {
+    # dropout 0.1, as BERT trains: the CPU has no fused attention kernel with dropout and takes the math path
+    "bert": lambda: BertMaskedLanguageModel("bert-tiny", vocab_size=256),
+    # BatchNorm saves its input and per-channel mean and inverse std; convolutions their input and kernel
+    "resnet": lambda: ImageClassifier("resnet-tiny", num_classes=10, in_channels=3, image_shape=(16, 16)),
+}
+
+
+def real_module_saved_bytes(module: CohortModule, batch: int, sequence_length: int, autocast: bool) -> int:
+    """Bytes autograd saves in a real CPU forward of a family's training loss, once per storage, parameters left
+    out. Inputs and labels are made distinct storages, as real data is (a meta example batch may share one)."""
+    torch.manual_seed(0)
+    network = module.plain_network()
+    parameters = {storage_key(p) for p in network.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if storage_key(tensor) not in parameters:
+            saved[storage_key(tensor)] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    inputs, labels = module.example_batch(batch, sequence_length, torch.device("cpu"))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            module.batch_loss(network, (inputs, labels.clone()))
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_meta_profile_saves_what_a_real_cpu_step_of_each_family_saves(family: str, precision: str) -> None:
+    """Through the family's own example batch and loss, as cohort doctor estimates: BERT's attention with dropout
+    (the CPU's math path, (B, nh, T, T) probabilities and masks) and the ResNet's BatchNorms and convolutions."""
+    module = FAMILIES[family]()
+    profile = profile_network(module.plain_network, module_step_loss(module, 32), 2, precision, device_type="cpu")
+    estimated = sum(profile.block_saved_bytes) + profile.other_saved_bytes + profile.weight_copy_bytes
+    assert estimated == real_module_saved_bytes(module, 2, 32, autocast=precision == "bf16-mixed")
 
 
 def test_repeated_blocks_are_found() -> None:
