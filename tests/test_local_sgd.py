@@ -13,8 +13,8 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from tests.helpers import (
-    CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_weights_close, assert_weights_equal, batch_sizes, fit, last_checkpoint, last_checkpoint_weights,
-    one_line_error, record_weight_digests, scalars, weight_digests_per_rank,
+    CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_weights_close, assert_weights_equal, batch_sizes, fit, last_checkpoint,
+    last_checkpoint_weights, one_line_error, record_weight_digests, scalars, weight_digests_per_rank,
 )
 
 STEPS = 8
