@@ -46,7 +46,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory, debug_run_args: list[str],
             return [*comparable_run_args, *DDP_2, *local_updates("local_sgd" if "H=1" in name else "sync", 1)]
         if name == f"local_sgd H={EVERY}":  # 2 micro-batches per step and rank, to count them as the no_sync test does
             return [*debug_run_args, *DDP_2, *batch_sizes(8, 2), "--trainer.max_steps", str(STEPS),
-                    *local_updates("local_sgd", EVERY), "--trainer.callbacks+=tests.helpers.AllReduceLog",
+                    *local_updates("local_sgd", EVERY), "--monitor.replica_check_every_n_steps", "1",
+                    "--trainer.callbacks+=tests.helpers.AllReduceLog",
                     f"--trainer.callbacks.out_dir={run_dir}", *record_weight_digests(run_dir)]
         if name == "diloco as averaging":  # outer lr 1 without momentum: the synced weights less the mean progress
             return [*debug_run_args, *DDP_2, *batch_sizes(8, 2), "--trainer.max_steps", str(STEPS),
@@ -77,7 +78,8 @@ def test_local_sgd_with_one_step_between_syncs_is_ddp(trained: Callable[[str], P
 @pytest.mark.slow
 def test_local_sgd_all_reduces_once_every_h_steps(trained: Callable[[str], Path]) -> None:
     """8 steps of 2 micro-batches per rank, H = 4: no gradient is all-reduced, the parameters (all of them, once)
-    after the last micro-batch of steps 4 and 8 only; the ranks' weights differ between syncs and agree after."""
+    after the last micro-batch of steps 4 and 8 only; the ranks' weights differ between syncs and agree after, where
+    the monitor checks them (asked to at every step, it waits for a sync instead of stopping the run)."""
     run = trained(f"local_sgd H={EVERY}")
     weights = {tensor.data_ptr(): tensor for tensor in last_checkpoint_weights(run).values()}
     parameters = sum(tensor.numel() for tensor in weights.values())  # the tied embedding and head once
