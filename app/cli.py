@@ -27,6 +27,7 @@ from app.callbacks import NcclFlightRecorder, PerRankSeed, PrintPredictions
 from app.checkpoints import RunCheckpoint
 from app.commands import DESCRIPTION, LIGHTNING_COMMANDS, describe
 from app.gradient_compression import GradientCompression
+from app.local_updates import LocalUpdates
 from app.monitoring import RankMonitor, ReplicaDivergenceError
 from app.preemption import PreemptionCheckpoint, preemption_callback
 from app.preflight import Preflight, check_config
@@ -131,6 +132,8 @@ class CohortCLI(LightningCLI):
         )
         # DDP's gradient all-reduce: plain, bf16, fp16 or PowerSGD; registers the comm hook the monitor times
         parser.add_lightning_class_args(GradientCompression, "gradient_compression")
+        # sync (DDP), local SGD or DiLoCo: ranks step on their own gradients and meet every sync_every steps
+        parser.add_lightning_class_args(LocalUpdates, "local_updates")
         parser.add_lightning_class_args(RankMonitor, "monitor")  # per-rank timing, stragglers, MFU, memory
         parser.add_lightning_class_args(BadStepGuard, "bad_steps")  # NaN, inf and loss spikes: stop, skip, rollback
         parser.add_lightning_class_args(PreemptionCheckpoint, "preemption")  # SIGTERM, SIGUSR1: checkpoint, then stop

@@ -11,7 +11,9 @@ DDP's one communication hook, on any device. What each rank hands to all-reduce 
 The hooks are torch's (torch.distributed.algorithms.ddp_comm_hooks); Cohort wraps the chosen one to count what it
 hands to all-reduce (logged as comm/bytes_per_step: the tensors' sizes, not the wire's bytes, which a ring
 all-reduce multiplies by 2(n-1)/n) and to tell listeners when each bucket is ready: the monitor times sync wait
-from the last one, whatever the method.
+from the last one, whatever the method. Under local SGD and DiLoCo (app/local_updates.py) the hook all-reduces
+nothing: it returns each rank's own gradient, as torch's post-local SGD hook does, and counts the averaging's bytes
+in the step that averages.
 
 Lightning's DDPStrategy registers its ``ddp_comm_hook`` argument only when the root device is CUDA
 (``DDPStrategy._register_ddp_hooks`` in lightning/pytorch/strategies/ddp.py), so on CPUs (gloo) it silently does
@@ -38,6 +40,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _should_compress, powerSGD_hook
 
 from app.checkpoints import parameter_names
@@ -68,8 +71,10 @@ class GradientCompression(Callback):
         self.powersgd_rank = powersgd_rank
         self.powersgd_start_step = powersgd_start_step
         self.powersgd_warm_start = powersgd_warm_start
-        self.bucket_listeners: list[BucketListener] = []  # called with each bucket as it becomes ready
+        self.bucket_listeners: list[BucketListener] = []  # called with each bucket as it goes to all-reduce
         self.registered = False  # set at fit start: Cohort's hook is DDP's
+        # set by app/local_updates.py (local SGD, DiLoCo): each rank steps on its own gradient, nothing is all-reduced
+        self.local_gradients: PostLocalSGDState | None = None
         self.powersgd: PowerSGDState | None = None
         self.total_bytes = self.total_uncompressed_bytes = self.steps = 0
         self._step_bytes = self._step_uncompressed_bytes = 0
@@ -102,11 +107,14 @@ class GradientCompression(Callback):
 
     # no annotations: DDP compares them as real types, and this module's are strings (PEP 563)
     def _hook(self, state, bucket):  # type: ignore[no-untyped-def]
-        """DDP's comm hook: the chosen method's, counted, after telling the listeners that ``bucket`` is ready."""
-        for listener in self.bucket_listeners:
-            listener(bucket)
+        """DDP's comm hook: the chosen method's, counted, after telling the listeners that ``bucket`` is ready; under
+        local updates the local gradient as it is (no listener is told: nothing waits for other ranks)."""
         buffer = bucket.buffer()
         self._step_uncompressed_bytes += buffer.numel() * buffer.element_size()
+        if self.local_gradients is not None:  # torch's post-local SGD hook past its start: returns the bucket as is
+            return post_localSGD_hook(self.local_gradients, bucket)
+        for listener in self.bucket_listeners:
+            listener(bucket)
         if self.method in SIXTEEN_BIT:
             # through this wrapper, not registered itself: DDP refuses a hook named bf16_compress_hook without CUDA
             # and NCCL 2.10, though gloo all-reduces bfloat16 too
@@ -133,6 +141,10 @@ class GradientCompression(Callback):
         return done
 
     # ----- bytes per optimizer step -----
+    def count_sent(self, nbytes: int) -> None:
+        """Bytes handed to all-reduce in this optimizer step outside the hook (local updates' averaging)."""
+        self._step_bytes += nbytes
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not self.registered or not self._plan.ends_optimizer_step(batch_idx):
@@ -203,7 +215,7 @@ class GradientCompression(Callback):
                 "rng_keys": torch.from_numpy(generator[1].astype(np.int64)), "rng_position": int(generator[2]),
                 "rng_has_gauss": int(generator[3]), "rng_cached_gaussian": float(generator[4]),
                 "q": {name: q.cpu() for name, q in own["q"].items()}, "warm": own["warm"],
-                "residuals": gather_residuals(own["residuals"])}
+                "residuals": gather_per_rank(own["residuals"])}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded = state_dict  # applied at fit start, once this rank's PowerSGDState exists
@@ -249,19 +261,20 @@ def factor_slots(layout: Layout, state: PowerSGDState) -> tuple[dict[str, tuple[
     return slots, p_length
 
 
-def gather_residuals(residuals: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """Every rank's residuals on rank 0, by rank (empty on the others); every rank has the same names."""
-    names = sorted(residuals)
+def gather_per_rank(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Every rank's ``tensors`` on rank 0, by rank (empty on the others), in one gather; every rank has the same
+    names, shapes and dtype (PowerSGD's residuals; local updates' own weights and moments)."""
+    names = sorted(tensors)
     if not names:
         return []
-    flat = torch.cat([residuals[name].reshape(-1) for name in names])
+    flat = torch.cat([tensors[name].reshape(-1) for name in names])
     rank, world_size = dist.get_rank(), dist.get_world_size()
     gathered = [torch.empty_like(flat) for _ in range(world_size)] if rank == 0 else None
     dist.gather(flat, gathered, dst=0)
     if gathered is None:
         return []
-    offsets = np.cumsum([0] + [residuals[name].numel() for name in names])
-    return [{name: flat[offsets[i]:offsets[i + 1]].view(residuals[name].shape).cpu() for i, name in enumerate(names)}
+    offsets = np.cumsum([0] + [tensors[name].numel() for name in names])
+    return [{name: flat[offsets[i]:offsets[i + 1]].view(tensors[name].shape).cpu() for i, name in enumerate(names)}
             for flat in gathered]
 
 

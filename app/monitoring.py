@@ -6,7 +6,8 @@ logs them. Lightning's loggers only see rank 0, which is why the numbers travel 
 
 Step time is split into data wait (the loop blocked on the DataLoader), compute (forward, backward and optimizer,
 without the time blocked in DDP's gradient all-reduce), sync wait (that blocked time: from the moment the last
-gradient bucket was ready on this rank until backward returned) and other (the rest of the loop). On GPUs the
+gradient bucket was ready on this rank until backward returned; under local SGD and DiLoCo, app/local_updates.py, the
+sync after the optimizer step every H steps) and other (the rest of the loop). On GPUs the
 compute and sync markers are CUDA events, so they measure the device, not the launch queue.
 
 A rank is slow in a window when its compute exceeds ``straggler_factor`` x the median of the *other* ranks' (with
@@ -40,6 +41,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from app.flops import measured_peak_tflops, peak_tflops_per_device
 from app.gradient_compression import registered_compression
+from app.local_updates import LocalUpdates, replicas_differ
 from app.tensorboard_layout import log_final_val_loss, write_layout
 from core.run_plan import run_plan_of
 from models.pipeline import theoretical_bubble
@@ -143,6 +145,7 @@ class RankMonitor(Callback):
         self._cuda = False  # set at train start: the device is a GPU
         self._slow_windows: dict[int, int] = {}
         self._data_wait_warned = False
+        self._replica_check_pending = False
 
     # ----- setup -----
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -178,7 +181,16 @@ class RankMonitor(Callback):
             rank_zero_info("monitor: another DDP comm hook is registered, so sync wait counts as compute")
             return False
         compression.bucket_listeners.append(self._bucket_ready)
+        for callback in trainer.callbacks:
+            if isinstance(callback, LocalUpdates):
+                callback.sync_listeners.append(self._local_sync)
         return True
+
+    def _local_sync(self, starting: bool) -> None:
+        if starting:
+            self._sync_start = Marker(self._cuda)
+        else:
+            self._local_syncs.append((self._sync_start, Marker(self._cuda)))
 
     def _bucket_ready(self, bucket: dist.GradBucket) -> None:
         self._last_bucket_ready = Marker(self._cuda)
@@ -193,6 +205,7 @@ class RankMonitor(Callback):
         self._pipeline_at_start = (pipeline.compute_seconds, pipeline.schedule_seconds) if pipeline else (0.0, 0.0)
         self._losses: list[torch.Tensor] = []
         self._micro_batches: list[tuple[Marker, Marker, Marker | None, Marker | None]] = []
+        self._local_syncs: list[tuple[Marker, Marker]] = []  # local updates' syncs, inside the optimizer step
         if self._cuda:
             torch.cuda.reset_peak_memory_stats()
 
@@ -235,6 +248,10 @@ class RankMonitor(Callback):
             sync = bucket_ready.seconds_until(after_backward) if bucket_ready and after_backward else 0.0
             self._window["compute_s"] += start.seconds_until(end) - sync
             self._window["sync_wait_s"] += sync
+        for start, end in self._local_syncs:
+            sync = start.seconds_until(end)
+            self._window["compute_s"] -= sync
+            self._window["sync_wait_s"] += sync
         self._window["data_wait_s"] = self._loader_wait() - self._data_wait_at_start
         pipeline_compute = pipeline_wait = 0.0
         if self._pipeline is not None:  # its waits on the other stages happened inside the step: idle, not compute
@@ -272,9 +289,15 @@ class RankMonitor(Callback):
         return torch.stack(rows).cpu()
 
     def _replica_check_due(self, trainer: L.Trainer) -> bool:
+        """Whether this window checks the replicas: one that crossed a multiple of replica_check_every_n_steps, or
+        under local updates the first after it that ends on a sync (between two, the replicas differ by design)."""
         every = self.replica_check_every_n_steps
-        return (every > 0 and isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1
-                and trainer.global_step // every != (trainer.global_step - self._steps) // every)
+        self._replica_check_pending |= (every > 0 and isinstance(trainer.strategy, DDPStrategy)
+                                        and trainer.world_size > 1
+                                        and trainer.global_step // every != (trainer.global_step - self._steps) // every)
+        due = self._replica_check_pending and not replicas_differ(trainer)
+        self._replica_check_pending &= not due
+        return due
 
     def _report(self, trainer: L.Trainer, window: dict[str, Any]) -> None:
         step_seconds = statistics.median(window["step_s"])

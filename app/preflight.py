@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from app.checkpoints import check_checkpoint, find_last_checkpoint
 from app.gradient_compression import COMPRESSIONS
+from app.local_updates import UPDATE_METHODS
 from app.launch import parent_start_time, torchrun_restart
 from core.errors import UserError, check_ranges, check_writable_folder
 from core.run_plan import RunPlan
@@ -125,6 +126,7 @@ def check_config(config: Namespace) -> RunPlan:
         unit=getattr(class_of(config.data.class_path), "unit", "tokens"),
     )
     check_compression(getattr(config, "gradient_compression", None), trainer.strategy, plan.world_size)
+    check_local_updates(config, plan.world_size)
     model_class(config).check_config(config.model.init_args, data, plan)
     if is_fsdp(trainer.strategy) and getattr(config.model.init_args, "activation_checkpointing", False):
         raise UserError("model.activation_checkpointing is for DDP and model_parallel; under fsdp set "
@@ -242,6 +244,50 @@ def check_compression(options: Namespace | None, strategy: str | Namespace | Non
     if world_size == 1:
         rank_zero_info(f"{field}: method {method} does nothing on one process (there is no all-reduce); the run "
                        "trains with exact gradients")
+
+
+def check_local_updates(config: Namespace, world_size: int) -> None:
+    """A UserError for local updates (local SGD, DiLoCo) that are unknown, out of range, outside DDP, or combined with
+    what they cannot work with; notes where they do nothing or where a run ends or validates between two syncs."""
+    options = getattr(config, "local_updates", None)
+    if options is None or options.method == "sync":
+        return
+    method, field, strategy = options.method, "local_updates", config.trainer.strategy
+    if method not in UPDATE_METHODS:
+        raise UserError(f"{field}.method={method!r} is not an update method: use one of {', '.join(UPDATE_METHODS)}")
+    check_ranges(field, {"sync_every": (options.sync_every >= 1, "at least 1"),
+                         "outer_learning_rate": (options.outer_learning_rate > 0, "> 0"),
+                         "outer_momentum": (0 <= options.outer_momentum < 1, "in [0, 1)")},
+                 {"sync_every": options.sync_every, "outer_learning_rate": options.outer_learning_rate,
+                  "outer_momentum": options.outer_momentum})
+    if not is_ddp(strategy):
+        raise UserError(f"{field}.method={method} lets each DDP replica step on its own, but trainer.strategy is "
+                        f"{strategy_name(strategy)}, whose ranks hold shards, not replicas: use a DDP preset "
+                        f"(configs/trainer/diloco_cpu.yaml, ddp_cpu.yaml, ddp_gpu_bf16.yaml) or set {field}.method sync")
+    if method == "local_sgd" and options.sync_every == 1:
+        rank_zero_info(f"{field}: local_sgd with sync_every 1 is DDP (gradients all-reduced at every step): "
+                       "averaging parameters after each rank's own AdamW step would send as much and train worse")
+        return
+    compression = getattr(config, "gradient_compression", None)
+    if compression is not None and compression.method != "none":
+        raise UserError(f"{field}.method={method} all-reduces no gradients, so gradient_compression.method="
+                        f"{compression.method} would have nothing to compress: set gradient_compression.method none, "
+                        f"or {field}.method sync")
+    bad_steps = getattr(config, "bad_steps", None)
+    if bad_steps is not None and bad_steps.action == "rollback":
+        raise UserError(f"bad_steps.action=rollback reloads rank 0's weights and optimizer state into every rank, "
+                        f"which under {field}.method={method} would drop each rank's own: use stop or skip")
+    if world_size == 1:
+        rank_zero_info(f"{field}: method {method} does nothing on one process (there is nothing to sync); the run "
+                       "trains as plain AdamW")
+        return
+    between = [f"{name}={value}" for name, value in (("trainer.max_steps", config.trainer.max_steps),
+                                                     ("val_every_n_steps", getattr(config, "val_every_n_steps", None)))
+               if value is not None and value > 0 and value % options.sync_every]
+    if between:
+        rank_zero_info(f"{field}: {' and '.join(between)} not a multiple of sync_every={options.sync_every}: the "
+                       "run ends or validates between two syncs, on each rank's own weights (the last checkpoint's "
+                       "weights are then rank 0's)")
 
 
 def precision_name(precision: str | int | None) -> str:

@@ -360,6 +360,33 @@ class GradientAllReduceCounter(Callback):
         (self.out_dir / f"allreduce_rank{trainer.global_rank}.json").write_text(json.dumps(summary))
 
 
+class AllReduceLog(Callback):
+    """Records, per rank, every ``torch.distributed.all_reduce`` during training as [batch index, elements]: the
+    gradient buckets of Cohort's DDP comm hook, local updates' syncs (torch's model averaging), and the small ones
+    (the bad-step verdict, checkpoint agreement)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+        self.batch_idx = -1
+        self.calls: list[list[int]] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.all_reduce = torch.distributed.all_reduce
+
+        def logged(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.calls.append([self.batch_idx, tensor.numel()])
+            return self.all_reduce(tensor, *args, **kwargs)
+
+        torch.distributed.all_reduce = logged  # torch's hooks and averagers call it as dist.all_reduce
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.batch_idx = batch_idx
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        torch.distributed.all_reduce = self.all_reduce
+        (self.out_dir / f"allreduce_log_rank{trainer.global_rank}.json").write_text(json.dumps(self.calls))
+
+
 class SlowRank(Callback):
     """Makes one rank slower: a sleep inside its step, between forward and backward."""
 
