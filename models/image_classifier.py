@@ -19,7 +19,7 @@ from core.errors import UserError, check_ranges
 from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
-from models.module import FSDP_PARAM_DTYPES, CohortModule, optimizer_ranges
+from models.module import CohortModule, optimizer_ranges
 from models.parallelize import build_resnet
 from models.resnet import ResNet, resnet_config
 
@@ -104,8 +104,9 @@ class ImageClassifier(CohortModule):
         device = torch.device("cpu") if trainer is None else trainer.strategy.root_device
         if isinstance(trainer and trainer.strategy, FSDPStrategy):
             device = torch.device("cpu")  # FSDP (1) moves the model to its GPU as it shards it
-        self.model = build_resnet(self.config, device, self.hparams.seed, self.device_mesh,
-                                  FSDP_PARAM_DTYPES.get(str(trainer.precision)) if trainer is not None else None)
+        # no FSDP2 compute dtype: BatchNorm's float32 running statistics cannot meet bfloat16 weights; autocast
+        # runs the convolutions in half precision under mixed precision, as it does under DDP
+        self.model = build_resnet(self.config, device, self.hparams.seed, self.device_mesh)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)

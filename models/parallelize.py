@@ -128,8 +128,7 @@ def build_bert(
     return model
 
 
-def build_resnet(config: ResNetConfig, device: torch.device, seed: int, device_mesh: DeviceMesh | None = None,
-                 param_dtype: torch.dtype | None = None) -> ResNet:
+def build_resnet(config: ResNetConfig, device: torch.device, seed: int, device_mesh: DeviceMesh | None = None) -> ResNet:
     """A ResNet on ``device``, initialised from ``seed`` (drawn on the CPU, so every device and world size start
     alike) and, with a ``device_mesh``, FSDP2-sharded one residual block per unit over its data-parallel dimension.
     Tensor parallelism, activation checkpointing and pipeline stages are not for a network of a few million
@@ -138,10 +137,9 @@ def build_resnet(config: ResNetConfig, device: torch.device, seed: int, device_m
         torch.manual_seed(derive_seed(seed, "resnet"))
         model = ResNet(config).to(device)
     if device_mesh is not None:
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
         for block in [module for module in model.modules() if isinstance(module, BasicBlock)]:
-            fully_shard(block, mesh=device_mesh["data_parallel"], mp_policy=policy)
-        fully_shard(model, mesh=device_mesh["data_parallel"], mp_policy=policy)
+            fully_shard(block, mesh=device_mesh["data_parallel"])
+        fully_shard(model, mesh=device_mesh["data_parallel"])
     return model
 
 

@@ -180,3 +180,13 @@ def test_a_command_the_family_has_no_step_for_is_one_line(tmp_path: Path, monkey
     monkeypatch.chdir(tmp_path)
     assert "BertMaskedLanguageModel has no predict" in one_line_error(["predict", *BERT], monkeypatch)
     assert "ImageClassifier has no test (it has fit, validate)" in one_line_error(["test", *DIGITS], monkeypatch)
+
+
+@pytest.mark.slow
+def test_the_classifier_trains_under_fsdp2_in_bf16(tmp_path: Path) -> None:
+    """FSDP2 shards the ResNet one residual block per unit; bf16-mixed runs its convolutions under autocast (an FSDP2
+    compute dtype would meet BatchNorm's float32 running statistics and fail)."""
+    run = fit(tmp_path, [*digits_run(8), *MODEL_PARALLEL, "--trainer.precision", "bf16-mixed"])
+    losses = scalars(run, "train/loss")
+    assert len(losses) == 8 and all(0 < loss < 10 for loss in losses)
+    assert scalars(run, "val/accuracy")
