@@ -234,7 +234,10 @@ def main(argv: list[str]) -> None:
     data, model, problems = instantiate_family(config)
     checks += problems
     if model is not None and preflight.plan is not None:
-        checks.append(check_memory(config, model, preflight.plan))
+        try:
+            checks.append(check_memory(config, model, preflight.plan))
+        except UserError as error:  # --device_memory that is not a size
+            checks.append(Check("memory", "fail", f"--device_memory: {error}"))
     if data is not None and model is not None and preflight.plan is not None:
         try:
             checks.append(check_data(data, model, preflight.plan, rank, device))

@@ -190,3 +190,12 @@ def test_the_classifier_trains_under_fsdp2_in_bf16(tmp_path: Path) -> None:
     losses = scalars(run, "train/loss")
     assert len(losses) == 8 and all(0 < loss < 10 for loss in losses)
     assert scalars(run, "val/accuracy")
+
+
+def test_a_device_memory_that_is_not_a_size_is_a_failed_check(debug_run_args: list[str], tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        doctor([*debug_run_args, "--device_memory", "sixteen"])
+    assert "FAIL  memory           --device_memory: device memory 'sixteen' is not a size" in capsys.readouterr().out
