@@ -23,7 +23,7 @@ from tests.helpers import (
 STEPS = 6
 START = 2  # PowerSGD's plain all-reduce steps: the shortest torch allows with error feedback
 RANK = 2
-METHODS = ("none", "bf16", "fp16", "powersgd")
+METHODS = ("none", "bf16", "powersgd")  # fp16 is bf16's hook with another dtype: not worth another 2-process run
 
 
 def compression_run(debug_run_args: list[str], method: str) -> list[str]:
@@ -75,8 +75,7 @@ def test_sixteen_bit_hooks_send_half_the_bytes_of_plain_ddp(trained: Callable[[s
     weights = {tensor.data_ptr(): tensor for tensor in last_checkpoint_weights(trained("none")).values()}
     parameters = sum(tensor.numel() for tensor in weights.values())  # the tied embedding and head once
     assert plain == [4 * parameters] * STEPS  # every float32 gradient, once per step
-    for method in ("bf16", "fp16"):
-        assert scalars(trained(method), "comm/bytes_per_step") == [2 * parameters] * STEPS
+    assert scalars(trained("bf16"), "comm/bytes_per_step") == [2 * parameters] * STEPS
 
 
 @pytest.mark.slow
@@ -94,19 +93,19 @@ def test_powersgd_sends_its_factors_after_the_start_step(trained: Callable[[str]
 @pytest.mark.slow
 def test_powersgd_resumes_with_its_state(tmp_path: Path, trained: Callable[[str], Path],
                                          debug_run_args: list[str]) -> None:
-    """3 steps, then resumed to 6 from the checkpoint, train bitwise as 6 straight: each rank's residual, the Q
-    factors, the step counter and the generator came back (dropped, the resumed run would restart PowerSGD with
-    zero residuals, fresh random factors and START plain steps)."""
+    """A new run resumed from the straight run's step-3 checkpoint trains bitwise as the straight run: each rank's
+    residual, the Q factors, the step counter and the generator came back (dropped, the resumed run would restart
+    PowerSGD with zero residuals, fresh random factors and START plain steps)."""
     run = compression_run(debug_run_args, "powersgd")
-    resumed = fit(tmp_path / "resumed", [*run, "--trainer.max_steps", "3"])
-    saved = torch.load(last_checkpoint(resumed), weights_only=True)["callbacks"]["GradientCompression"]
+    step_3 = last_checkpoint(trained("powersgd")).with_name("step=000003.ckpt")
+    saved = torch.load(step_3, weights_only=True)["callbacks"]["GradientCompression"]
     assert saved["step"] == 3 and saved["rank"] == RANK and saved["warm"] and saved["q"]
     residuals = saved["residuals"]
     assert len(residuals) == 2 and residuals[0].keys() == residuals[1].keys()
     assert all(residual.abs().sum() > 0 for residual in residuals[0].values() if residual.dim() == 2)
     assert any(not torch.equal(residuals[0][name], residuals[1][name]) for name in residuals[0])  # each rank's own
 
-    fit(resumed, run, "--ckpt_path", "last")
+    resumed = fit(tmp_path / "resumed", run, "--ckpt_path", str(step_3))
     assert torch.load(last_checkpoint(resumed), weights_only=True)["callbacks"]["GradientCompression"]["step"] == STEPS
     assert_weights_equal(last_checkpoint_weights(trained("powersgd")), last_checkpoint_weights(resumed))
 

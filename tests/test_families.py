@@ -16,20 +16,23 @@ from core.run_plan import RunPlan
 from core.seeding import derive_seed
 from core.tokens import IGNORE_INDEX
 from models.masked_language_model import BertMaskedLanguageModel
-from tests.helpers import (COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_weights_close, assert_weights_equal, fit,
-                           fit_killed_mid_accumulation, last_checkpoint, last_checkpoint_weights, one_line_error,
-                           scalars)
+from tests.helpers import (COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_weights_close,
+                           assert_weights_equal, fit, fit_killed_mid_accumulation, last_checkpoint,
+                           last_checkpoint_weights, one_line_error, scalars)
 
 BERT = ["-c", str(CONFIG_DIR / "bert-small/pretrain.yaml")]
 DIGITS = ["-c", str(CONFIG_DIR / "resnet-small/digits.yaml")]
 
 
 def bert_run(byte_corpus: Path) -> list[str]:
-    """The BERT recipe made small: bert-tiny, 6 steps of 2 micro-batches, a checkpoint every 3."""
+    """The BERT recipe made small: bert-tiny, COMPARABLE_RUN's batches, clipping and validation, 6 steps of 2
+    micro-batches with a checkpoint every 3."""
     return [*BERT, "--model.model_name", "bert-tiny", "--data.data_dir", str(byte_corpus),
-            "--data.sequence_length", "64", "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
-            "--trainer.max_steps", "6", "--checkpoint.every_n_train_steps", "3", "--val_every_n_steps", "6",
-            "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "1", "--model.warmup_steps", "2"]
+            "--data.sequence_length", "64", "--trainer.log_every_n_steps", "1", "--model.warmup_steps", "2",
+            *COMPARABLE_RUN, "--trainer.max_steps", "6", "--checkpoint.every_n_train_steps", "3"]
+
+
+DIGITS_STEPS = 100  # 96-97 % validation accuracy on either layout; the recipe's 200 reach 98 %
 
 
 def digits_run(steps: int) -> list[str]:
@@ -39,39 +42,35 @@ def digits_run(steps: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def bert_straight(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) -> Path:
+    """The small BERT on one process: resumed runs and the parallel layouts are compared with it."""
     return fit(tmp_path_factory.mktemp("bert-straight"), bert_run(byte_corpus))
 
 
-@pytest.fixture(scope="module")
-def bert_one_process(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) -> Path:
-    """COMPARABLE_RUN's BERT on one process: what the parallel layouts are compared with."""
-    return fit(tmp_path_factory.mktemp("bert-one"), [*bert_run(byte_corpus), *COMPARABLE_RUN])
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [MODEL_PARALLEL, [*MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size",
-                                                     "1", "--trainer.strategy.init_args.tensor_parallel_size", "2"]],
-                         ids=["fsdp2-dp2", "tp2"])
-def test_bert_trains_under_fsdp2_and_tensor_parallelism_as_one_process_does(
-        layout: list[str], tmp_path: Path, byte_corpus: Path, bert_one_process: Path) -> None:
-    """The GPT's parallel layouts, applied to BERT's blocks by models/parallelize.py: the same gradient norm at every
-    step (clipping bites) and the same final weights as one process, since the masks follow the samples."""
-    other = fit(tmp_path / "other", [*bert_run(byte_corpus), *COMPARABLE_RUN, *layout])
-    norms = scalars(bert_one_process, "train/grad_norm")
+def test_bert_trains_under_tensor_parallelism_as_one_process_does(tmp_path: Path, byte_corpus: Path,
+                                                                   bert_straight: Path) -> None:
+    """Tensor parallelism applied to BERT's blocks by models/parallelize.py (query, key, value and the first FFN layer
+    by columns; FSDP2 goes through the same function as the GPT's, and the user-level runs cover it): the same
+    gradient norm at every step (clipping bites) and the same final weights as one process, since the masks follow
+    the samples."""
+    other = fit(tmp_path / "other", [*bert_run(byte_corpus), *MODEL_PARALLEL,
+                                     "--trainer.strategy.init_args.data_parallel_size", "1",
+                                     "--trainer.strategy.init_args.tensor_parallel_size", "2"])
+    norms = scalars(bert_straight, "train/grad_norm")
     assert min(norms) > 0.1  # above COMPARABLE_RUN's clip: clipping bites at every step
     assert scalars(other, "train/grad_norm") == pytest.approx(norms, rel=1e-5)
     # the key bias's true gradient is zero (softmax ignores a shift all keys share): it moves by rounding noise
     weights = [{name: tensor for name, tensor in last_checkpoint_weights(run_dir).items()
-                if not name.endswith("attn.key.bias")} for run_dir in (bert_one_process, other)]
+                if not name.endswith("attn.key.bias")} for run_dir in (bert_straight, other)]
     assert_weights_close(*weights, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
 def digits_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The digits recipe: the whole run on 1 process and on 2, and a short run twice."""
+    """The digits recipe shortened to DIGITS_STEPS on 1 process and on 2, and a short run."""
     root = tmp_path_factory.mktemp("digits")
-    return {"one": fit(root / "one", DIGITS), "two": fit(root / "two", [*DIGITS, *DDP_2]),
-            "short": fit(root / "short", digits_run(8)), "short again": fit(root / "short again", digits_run(8))}
+    return {"one": fit(root / "one", digits_run(DIGITS_STEPS)),
+            "two": fit(root / "two", [*digits_run(DIGITS_STEPS), *DDP_2]), "short": fit(root / "short", digits_run(8))}
 
 
 def test_masks_differ_across_ranks_and_steps_and_repeat_for_the_same_coordinates() -> None:
@@ -99,16 +98,15 @@ def test_masks_differ_across_ranks_and_steps_and_repeat_for_the_same_coordinates
 
 
 @pytest.mark.slow
-def test_bert_trains_and_resumes_bitwise_after_a_kill(tmp_path: Path, byte_corpus: Path, bert_straight: Path) -> None:
-    """Killed mid-step 4 and resumed from step 3: the same weights as the straight run, so every mask after the
-    resume was the one the straight run drew."""
+def test_bert_trains_and_resumes_bitwise(tmp_path: Path, byte_corpus: Path, bert_straight: Path) -> None:
+    """A new run resumed from the straight run's step-3 checkpoint ends with the same weights, so every mask after
+    the resume was the one the straight run drew. (A kill mid-step, then --ckpt_path last, is the digits test's.)"""
     losses = scalars(bert_straight, "train/loss")
     assert losses[-1] < losses[0]
     assert scalars(bert_straight, "val/masked_accuracy")
-    interrupted = tmp_path / "interrupted"
-    fit_killed_mid_accumulation(interrupted, bert_run(byte_corpus))
-    fit(interrupted, bert_run(byte_corpus), "--ckpt_path", "last")
-    assert_weights_equal(last_checkpoint_weights(bert_straight), last_checkpoint_weights(interrupted))
+    step_3 = last_checkpoint(bert_straight).with_name("step=000003.ckpt")
+    resumed = fit(tmp_path / "resumed", bert_run(byte_corpus), "--ckpt_path", str(step_3))
+    assert_weights_equal(last_checkpoint_weights(bert_straight), last_checkpoint_weights(resumed))
 
 
 @pytest.mark.slow
@@ -122,7 +120,7 @@ def test_a_checkpoint_of_another_family_is_refused_in_one_line(bert_straight: Pa
 @pytest.mark.slow
 def test_the_digits_classifier_reaches_the_same_accuracy_on_two_processes(digits_runs: dict[str, Path]) -> None:
     """The same global batch of 64 on 1 process (2 micro-batches of 32) and on 2 (one each): the augmentation draws
-    differ (they follow the rank), so the runs are not equal, but both learn the digits."""
+    differ (they follow the rank), so the runs are not equal, but both learn the digits as well."""
     one, two = scalars(digits_runs["one"], "val/accuracy")[-1], scalars(digits_runs["two"], "val/accuracy")[-1]
     assert one > 0.93 and two > 0.93, (one, two)
     assert abs(one - two) < 0.03, (one, two)
@@ -131,8 +129,9 @@ def test_the_digits_classifier_reaches_the_same_accuracy_on_two_processes(digits
 @pytest.mark.slow
 def test_the_same_seed_reproduces_a_digits_run_and_a_resume_continues_it_bitwise(
         digits_runs: dict[str, Path], tmp_path: Path) -> None:
+    """The interrupted run starts from the seed alone and is killed mid-step 4: its first steps reproduce the
+    straight run's, and the resumed rest continues them, so the final weights are bitwise the straight run's."""
     straight = last_checkpoint_weights(digits_runs["short"])
-    assert_weights_equal(straight, last_checkpoint_weights(digits_runs["short again"]))
     interrupted = tmp_path / "interrupted"
     fit_killed_mid_accumulation(interrupted, digits_run(8))
     fit(interrupted, digits_run(8), "--ckpt_path", "last")
