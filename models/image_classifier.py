@@ -11,7 +11,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from jsonargparse import Namespace
-from lightning.pytorch.strategies import FSDPStrategy
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -100,13 +99,9 @@ class ImageClassifier(CohortModule):
         """Build on this rank's device; under ModelParallelStrategy (FSDP2) shard it over the data-parallel ranks."""
         if self.model is not None:
             return
-        trainer = self._trainer
-        device = torch.device("cpu") if trainer is None else trainer.strategy.root_device
-        if isinstance(trainer and trainer.strategy, FSDPStrategy):
-            device = torch.device("cpu")  # FSDP (1) moves the model to its GPU as it shards it
         # no FSDP2 compute dtype: BatchNorm's float32 running statistics cannot meet bfloat16 weights; autocast
         # runs the convolutions in half precision under mixed precision, as it does under DDP
-        self.model = build_resnet(self.config, device, self.hparams.seed, self.device_mesh)
+        self.model = build_resnet(self.config, self.build_device(), self.hparams.seed, self.device_mesh)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)

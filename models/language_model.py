@@ -8,7 +8,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from jsonargparse import Namespace
-from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
@@ -136,10 +135,7 @@ class GPTLanguageModel(CohortModule):
         process calls this before loading the weights) it is built whole on the CPU."""
         if self.model is not None:  # Lightning calls this once per fit/validate/...; build once
             return
-        trainer = self._trainer
-        device = torch.device("cpu") if trainer is None else trainer.strategy.root_device
-        if isinstance(trainer and trainer.strategy, FSDPStrategy):
-            device = torch.device("cpu")  # FSDP (1) moves each unit to its GPU as it shards it
+        trainer, device = self._trainer, self.build_device()
         plan = run_plan_of(self) if trainer is not None else None
         spans = [None]  # the whole model, or this rank's pipeline stages
         if plan is not None and plan.pipeline_parallel_size > 1:

@@ -14,7 +14,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from jsonargparse import Namespace
-from lightning.pytorch.strategies import FSDPStrategy
 from torchmetrics import MeanMetric
 
 from core.errors import UserError, check_ranges
@@ -126,10 +125,7 @@ class BertMaskedLanguageModel(CohortModule):
         does (models/parallelize.py ``build_bert``)."""
         if self.model is not None:
             return
-        trainer = self._trainer
-        device = torch.device("cpu") if trainer is None else trainer.strategy.root_device
-        if isinstance(trainer and trainer.strategy, FSDPStrategy):
-            device = torch.device("cpu")  # FSDP (1) moves each unit to its GPU as it shards it
+        trainer, device = self._trainer, self.build_device()
         self.model = build_bert(
             self.config, device=device, seed=self.hparams.seed, device_mesh=self.device_mesh,
             activation_checkpointing=self.hparams.activation_checkpointing, compile=self.hparams.compile,

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from jsonargparse import Namespace
 from lightning.pytorch.plugins import Precision
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -73,6 +74,14 @@ class CohortModule(L.LightningModule):
         anything is built, and ``--print_config`` too)."""
 
     # ----- shared by every family -----
+    def build_device(self) -> torch.device:
+        """Where configure_model builds the network: this rank's device; the CPU with no Trainer (load_from_checkpoint
+        in a plain Python process) and under FSDP (1), which moves each unit to its GPU as it shards it."""
+        trainer = self._trainer
+        if trainer is None or isinstance(trainer.strategy, FSDPStrategy):
+            return torch.device("cpu")
+        return trainer.strategy.root_device
+
     def flops_per_sample(self, sequence_length: int) -> float:
         """Training (forward + backward) FLOPs of one sample, counted by torch on the meta device: no memory, no
         compute, and true for any family."""
