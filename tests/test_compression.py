@@ -27,9 +27,11 @@ METHODS = ("none", "bf16", "powersgd")  # fp16 is bf16's hook with another dtype
 
 
 def compression_run(debug_run_args: list[str], method: str) -> list[str]:
-    """STEPS steps on 2 processes with ``method``, a checkpoint every 3 steps; the LR schedule does not depend on
-    max_steps, so a run of 3 steps resumed to STEPS follows the same one."""
-    return [*debug_run_args, *DDP_2, *batch_sizes(8, 4), "--trainer.max_steps", str(STEPS),
+    """STEPS steps on 2 processes (the shipped preset configs/trainer/ddp_powersgd_cpu.yaml) with ``method``, a
+    checkpoint every 3 steps; the LR schedule does not depend on max_steps, so a run resumed to STEPS follows the
+    same one."""
+    return [*debug_run_args, "-c", str(CONFIG_DIR / "trainer/ddp_powersgd_cpu.yaml"), *batch_sizes(8, 4),
+            "--trainer.max_steps", str(STEPS),
             "--model.learning_rate", "1e-2", "--model.lr_decay_steps", "8", "--checkpoint.every_n_train_steps", "3",
             "--gradient_compression.method", method, "--gradient_compression.powersgd_rank", str(RANK),
             "--gradient_compression.powersgd_start_step", str(START)]
