@@ -243,7 +243,20 @@ def run_reporting_errors(command: Callable[[Any], object], args: Any) -> None:
             message = ("another process of this run ended in the middle of a step (killed, out of memory, or its node "
                        "failed), so this one stopped too: that process's own output or the scheduler's log says why; "
                        "resume with the same command and --ckpt_path last")
-        sys.exit(f"cohort: error: {message} (COHORT_TRACEBACK=1 shows where)")
+        exit_with_error(f"cohort: error: {message} (COHORT_TRACEBACK=1 shows where)")
+
+
+def exit_with_error(line: str) -> NoReturn:
+    """Print ``line`` on stderr and exit 1. A rank that fails while its process groups are up leaves without the
+    interpreter's finalisation: there gloo's threads can outlive what they point to and abort the process
+    ("terminate called without an active exception": exit -6, not 1, seen in CI after a full disk), and a peer
+    that failed alike, or died, may never reach the barrier that ``leave_process_group`` passes on success.
+    Lightning has already torn the trainer down (loggers finalised, callbacks told) when an error reaches here."""
+    if dist.is_available() and dist.is_initialized():
+        print(line, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+    sys.exit(line)
 
 
 def user_error_within(error: BaseException) -> BaseException | None:
