@@ -29,6 +29,7 @@ from app.commands import DESCRIPTION, LIGHTNING_COMMANDS, describe
 from app.gradient_compression import GradientCompression
 from app.local_updates import LocalUpdates
 from app.monitoring import RankMonitor, ReplicaDivergenceError
+from app.parameter_server import WorkerLost
 from app.preemption import PreemptionCheckpoint, preemption_callback
 from app.preflight import Preflight, check_config
 from app.progress import StepProgress
@@ -223,7 +224,7 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-USER_ERRORS = (UserError, MisconfigurationException, ReplicaDivergenceError)  # what a user can fix: one line
+USER_ERRORS = (UserError, MisconfigurationException, ReplicaDivergenceError, WorkerLost)  # one line: what to do
 # what gloo says on a rank whose peer's process ended mid-collective (the peer's sockets closed with it)
 LOST_PEER = re.compile(r"Connection (closed|reset) by peer")
 

@@ -22,6 +22,7 @@ from app.checkpoints import check_checkpoint, find_last_checkpoint
 from app.gradient_compression import COMPRESSIONS
 from app.local_updates import UPDATE_METHODS
 from app.launch import parent_start_time, torchrun_restart
+from app.parameter_server import check_asynchronous
 from core.errors import UserError, check_ranges, check_writable_folder
 from core.run_plan import RunPlan
 from datamodules.prepare import DEFAULT_CORPUS_DIR
@@ -116,6 +117,10 @@ def check_config(config: Namespace) -> RunPlan:
                         "data.global_batch_size and data.micro_batch_size instead and leave it at 1")
     check_strategy(trainer.strategy, accelerator_name(trainer))
     pipeline, data_parallel, tensor_parallel = parallel_sizes(trainer)
+    world_size = devices_per_node(trainer) * int(trainer.num_nodes)
+    asynchronous = is_parameter_server(trainer.strategy)
+    if asynchronous:
+        check_asynchronous(config, world_size, precision_name(trainer.precision))
     plan = RunPlan(
         devices_per_node=devices_per_node(trainer), num_nodes=int(trainer.num_nodes),
         data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel,
@@ -124,6 +129,7 @@ def check_config(config: Namespace) -> RunPlan:
         precision=precision_name(trainer.precision), seed=config.seed_everything,
         pipeline_parallel_size=pipeline, **pipeline_options(trainer),
         unit=getattr(class_of(config.data.class_path), "unit", "tokens"),
+        asynchronous_workers=world_size - 1 if asynchronous else 0,
     )
     check_compression(getattr(config, "gradient_compression", None), trainer.strategy, plan.world_size)
     check_local_updates(config, plan.world_size)
@@ -186,6 +192,8 @@ def parallel_sizes(trainer: Namespace) -> tuple[int, int, int]:
     if name.endswith("PipelineParallelStrategy"):
         return (int(getattr(sizes, "pipeline_parallel_size", 2)), int(getattr(sizes, "data_parallel_size", 1)),
                 int(getattr(sizes, "tensor_parallel_size", 1)))
+    if is_parameter_server(trainer.strategy):
+        return 1, 1, 1  # each update is one global batch, which one worker reads
     if not name.endswith("ModelParallelStrategy"):
         return 1, devices_per_node(trainer) * int(trainer.num_nodes), 1
     data_parallel = getattr(sizes, "data_parallel_size", "auto")
@@ -216,6 +224,10 @@ def check_strategy(strategy: str | Namespace | None, accelerator: str) -> None:
     if is_fsdp(strategy) and on_cpu:
         raise UserError("trainer.strategy fsdp needs CUDA GPUs: on CPUs use configs/trainer/model_parallel_cpu.yaml "
                         "(FSDP2 through ModelParallelStrategy over gloo)")
+
+
+def is_parameter_server(strategy: str | Namespace | None) -> bool:
+    return strategy_name(strategy).endswith("ParameterServerStrategy")
 
 
 def is_ddp(strategy: str | Namespace | None) -> bool:

@@ -36,6 +36,9 @@ class RunPlan:
     pipeline_microbatches: int = 1  # pipeline micro-batches each micro batch is cut into
     pipeline_layers: tuple[int, ...] | None = None  # blocks of each stage, in stage order; None: balanced by count
     unit: str = "tokens"  # what throughput counts: tokens of text, or "images" (sequence_length 1: one per sample)
+    # workers of an asynchronous run (app/parameter_server.py), rank 0 being the server; 0: the ranks step together.
+    # Each update is one global batch that one worker computes: the data-parallel size is then 1
+    asynchronous_workers: int = 0
 
     def __post_init__(self) -> None:
         check_ranges("trainer", {"devices": (self.devices_per_node >= 1, "at least 1 per node"),
@@ -45,6 +48,8 @@ class RunPlan:
                               "micro_batch_size": (self.micro_batch_size >= 1, "a positive integer")},
                      {"global_batch_size": self.global_batch_size, "micro_batch_size": self.micro_batch_size})
         sizes = self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.asynchronous_workers:
+            sizes = 1 + self.asynchronous_workers  # the server, the workers
         if sizes != self.world_size:
             pipeline = (f"pipeline_parallel_size={self.pipeline_parallel_size} x "
                         if self.pipeline_parallel_size > 1 else "")
@@ -134,6 +139,11 @@ class RunPlan:
             pipeline = (f"; {stages} pipeline stages on {self.pipeline_parallel_size} ranks "
                         f"({self.pipeline_schedule}), each micro batch cut into {self.pipeline_microbatches} "
                         "pipeline micro-batches")
+        if self.asynchronous_workers:
+            return (f"global batch {self.global_batch_size} = micro batch {self.micro_batch_size} x "
+                    f"{self.accumulation} accumulation steps, computed by one of {self.asynchronous_workers} "
+                    f"asynchronous workers and applied by the parameter server (rank 0) as it arrives; "
+                    f"{self.tokens_per_step:,} {self.unit} per update")
         return (f"global batch {self.global_batch_size} = micro batch {self.micro_batch_size} x "
                 f"{self.data_parallel_size} data-parallel ranks x {self.accumulation} accumulation steps; "
                 f"{self.tokens_per_step:,} {self.unit} per optimizer step{pipeline}")

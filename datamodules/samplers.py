@@ -42,8 +42,13 @@ class GlobalBatchSampler(Sampler[int]):
         self.rank = data_parallel_rank
         self.current_step = current_step
         self.steps_per_epoch = num_samples // plan.global_batch_size
+        # an asynchronous worker's steps, handed out by the parameter server (app/parameter_server.py) until it
+        # says stop: then the stream has no length, and no epochs
+        self.assigned_steps: Callable[[], Iterator[int]] | None = None
 
     def __len__(self) -> int:
+        if self.assigned_steps is not None:
+            raise TypeError("an asynchronous worker's stream ends when the parameter server says so")
         return self.steps_per_epoch * self.plan.accumulation * self.plan.micro_batch_size
 
     def __iter__(self) -> Iterator[int]:
@@ -51,7 +56,8 @@ class GlobalBatchSampler(Sampler[int]):
         micro_batches = torch.arange(plan.accumulation).view(-1, 1) * (micro * plan.data_parallel_size)
         within_step = (micro_batches + self.rank * micro + torch.arange(micro)).flatten()
         permutation, permutation_epoch = None, -1
-        for step in range(first, first + self.steps_per_epoch):
+        steps = range(first, first + self.steps_per_epoch) if self.assigned_steps is None else self.assigned_steps()
+        for step in steps:
             data_epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
             if data_epoch != permutation_epoch:
                 generator = torch.Generator().manual_seed(derive_seed(plan.seed, data_epoch))

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from jsonargparse import ArgumentParser
 from lightning.pytorch.strategies import FSDPStrategy
@@ -44,6 +45,10 @@ REFUSED = {
     ("resnet-small/digits.yaml", "pipeline_cpu"): "the image classifier ('resnet-small') is data parallel only",
     ("resnet-small/digits.yaml", "pipeline_gpu_bf16"): "data.global_batch_size=64 is not a multiple of data.micro_batch_size=32 x 4",
 }
+
+if not torch.cuda.is_available():  # "devices: -1" is then one process: no room for a server and a worker
+    REFUSED.update({(str(recipe.relative_to(REPO_ROOT / "configs")), "async_ps_gpu_bf16"):
+                    "needs a server and at least one worker" for recipe in RECIPES})
 
 
 @pytest.mark.parametrize("preset", TRAINER_PRESETS, ids=lambda p: p.stem)

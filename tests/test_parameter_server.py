@@ -1,0 +1,160 @@
+"""Asynchronous training through a parameter server (app/parameter_server.py): real runs of a server and workers on
+CPU processes over gloo, with the shipped preset configs/trainer/async_ps_cpu.yaml; a stopped run resumed; a killed
+worker and a killed server; the mistakes refused before start."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from jsonargparse import Namespace
+
+from app.parameter_server import check_asynchronous
+from core.errors import UserError
+from tests.helpers import (
+    CONFIG_DIR, QUIET, REPO_ROOT, assert_comparable_runs_agree, assert_one_line_error, batch_sizes, fit, free_port,
+    last_checkpoint, run_cohort, scalars,
+)
+
+ASYNC = ["-c", str(CONFIG_DIR / "trainer/async_ps_cpu.yaml")]
+ONE_WORKER = [*ASYNC, "--trainer.devices", "2"]
+
+
+def staleness(max_staleness: int, policy: str) -> list[str]:
+    return ["--trainer.strategy.init_args.max_staleness", str(max_staleness),
+            "--trainer.strategy.init_args.staleness_policy", policy]
+
+
+def summary_counts(output: str) -> tuple[dict[int, int], int, int]:
+    """From the server's end-of-run line: the staleness counts of the applied gradients, how many of them had their
+    learning rate scaled, and how many were dropped."""
+    line = re.search(r"parameter server: (\d+) updates applied, (\d+) of them .*, (\d+) dropped.*counts \{([^}]*)\}",
+                     output)
+    assert line, output[-3000:]
+    counts = {int(stale): int(count) for stale, count in re.findall(r"(\d+): (\d+)", line.group(4))}
+    assert sum(counts.values()) == int(line.group(1))
+    return counts, int(line.group(2)), int(line.group(3))
+
+
+@pytest.mark.slow
+def test_one_worker_without_staleness_trains_exactly_as_one_process(tmp_path: Path, comparable_run_args: list[str],
+                                                                     one_process_comparable_run: Path) -> None:
+    """With one worker every gradient is fresh and the batches come in the synchronous order: the server's updates
+    are one process's, so the validation losses and the final weights agree."""
+    run = fit(tmp_path / "async", [*comparable_run_args, *ONE_WORKER, *staleness(0, "drop")])
+    assert_comparable_runs_agree(one_process_comparable_run, run)
+    assert scalars(run, "async/staleness_max") == [0.0] * 4
+
+
+@pytest.mark.slow
+def test_equal_workers_without_staleness_train_as_synchronous_sgd(tmp_path: Path, comparable_run_args: list[str],
+                                                                   one_process_comparable_run: Path) -> None:
+    """Two workers, max_staleness 0, drop: every applied gradient is fresh (the stale ones are dropped and their
+    batches handed out again), so the run is serial SGD on global batches, the synchronous run's, in a slightly
+    permuted order. Tolerance: the validation loss after the last of 4 steps within 2 % (the order alone moves it
+    by well under 1 % here)."""
+    run_dir = tmp_path / "async"
+    run_dir.mkdir()
+    result = run_cohort(["fit", *comparable_run_args, *ASYNC, *staleness(0, "drop"), *QUIET], cwd=run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts, _, _ = summary_counts(result.stdout + result.stderr)
+    assert counts == {0: 4}
+    assert scalars(run_dir, "val/loss")[-1] == pytest.approx(scalars(one_process_comparable_run, "val/loss")[-1],
+                                                             rel=0.02)
+
+
+@pytest.mark.slow
+def test_a_slow_worker_is_stale_within_the_bound_and_a_stopped_run_resumes(tmp_path: Path,
+                                                                          debug_run_args: list[str]) -> None:
+    """Worker 2 sleeps 0.1 s in each micro-batch, so its gradients arrive several updates stale. With max_staleness
+    1 and drop, nothing older than 1 is applied and its gradients are dropped. SIGUSR1 to the server at update 30
+    makes it checkpoint and stop every worker; the checkpoint's data position says every batch handed out was
+    applied exactly once or is to be handed out again. The run resumes from it to 60 updates with the scale policy:
+    then the slow worker's gradients are applied, more than 1 stale, each with its learning rate scaled."""
+    run = [*debug_run_args, *ASYNC, *batch_sizes(8, 4), "--trainer.max_steps", "60",
+           "--trainer.callbacks+=tests.helpers.SlowRank", "--trainer.callbacks.rank=2",
+           "--trainer.callbacks.seconds=0.1", *QUIET]
+    stopped = run_cohort(["fit", *run, *staleness(1, "drop"), "--trainer.callbacks+=tests.helpers.SignalAtStep",
+                          "--trainer.callbacks.signal_name=SIGUSR1", "--trainer.callbacks.step=30",
+                          "--trainer.callbacks.micro_batch=0"], cwd=tmp_path)
+    assert stopped.returncode == 128 + 10, stopped.stderr[-3000:]
+    counts, scaled, dropped = summary_counts(stopped.stdout + stopped.stderr)
+    assert max(counts) <= 1 and sum(counts.values()) == 31 and scaled == 0 and dropped > 0, (counts, dropped)
+    checkpoint = torch.load(last_checkpoint(tmp_path), map_location="cpu", weights_only=True)
+    position = checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    unapplied = position["unapplied_steps"]
+    assert len(set(unapplied)) == len(unapplied) and all(step < position["next_step"] for step in unapplied)
+    assert position["next_step"] == checkpoint["global_step"] + len(unapplied)  # none applied twice, none lost
+
+    resumed = run_cohort(["fit", *run, *staleness(1, "scale"), "--ckpt_path", "last"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    counts, scaled, _ = summary_counts(resumed.stdout + resumed.stderr)
+    assert sum(counts.values()) == 60 and scaled == sum(count for stale, count in counts.items() if stale > 1) > 0
+    assert torch.load(last_checkpoint(tmp_path), map_location="cpu", weights_only=True)["global_step"] == 60
+
+
+def run_as_nodes(args: list[str], cwd: Path, nodes: int = 3, timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    """``cohort ARGS`` as ``nodes`` machines of one process each, the environment torchrun (or srun) gives each:
+    a rank that dies leaves the others running, as on separate nodes (Lightning's own launcher, on one machine,
+    ends every process when one dies)."""
+    port = str(free_port())
+    processes = [subprocess.Popen(
+        [sys.executable, "-m", "app", "fit", *args, "--trainer.devices", "1", "--trainer.num_nodes", str(nodes)],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore", "TORCHELASTIC_RUN_ID": "job",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(nodes), "RANK": str(rank),
+             "GROUP_RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+        for rank in range(nodes)]
+    results = []
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed", [2, 0], ids=["worker", "server"])
+def test_a_killed_rank_ends_the_run_within_the_timeout(killed: int, tmp_path: Path, debug_run_args: list[str]) -> None:
+    """SIGKILL a worker: the server, still hearing from the other, names the silent one once the strategy's
+    timeout (15 s here) has passed, and the other worker loses the server. SIGKILL the server: both workers lose
+    it at their next message. Either way every process ends, with a line that says so."""
+    start = time.monotonic()
+    results = run_as_nodes([*debug_run_args, *ASYNC, "--trainer.strategy.init_args.timeout", "0:00:15",
+                            "--trainer.max_steps", "100000", "--trainer.callbacks+=tests.helpers.KillRank",
+                            f"--trainer.callbacks.rank={killed}", "--trainer.callbacks.step=3", *QUIET], tmp_path)
+    assert time.monotonic() - start < 60
+    assert results[killed].returncode == -signal.SIGKILL
+    for rank, result in enumerate(results):
+        if rank == killed:
+            continue
+        last_line = result.stderr.strip().splitlines()[-1]
+        expected = (f"parameter server: worker rank {killed} has sent nothing for" if rank == 0 else
+                    "another process of this run ended")
+        assert result.returncode == 1 and last_line.startswith("cohort: error: ") and expected in last_line, \
+            result.stderr[-3000:]
+
+
+def test_what_the_parameter_server_cannot_run_with_is_refused(tmp_path: Path, debug_run_args: list[str]) -> None:
+    """Before anything starts, in one line (fp16's refusal is a GPU's: a CPU runs 16-mixed as bf16-mixed)."""
+    for extra, expected in [
+        (["--trainer.devices", "1"], "needs a server and at least one worker"),
+        (["--local_updates.method", "diloco"], "local_updates.method=diloco works on DDP's all-reduce"),
+        (staleness(-1, "drop"), "max_staleness=-1 must be at least 0"),
+        (staleness(1, "ignore"), "staleness_policy='ignore' must be one of drop, scale"),
+    ]:
+        assert_one_line_error(["fit", *debug_run_args, *ASYNC, *extra], tmp_path, expected)
+
+
+def test_fp16_is_refused_where_it_would_run() -> None:
+    """On a GPU: the loss scale would live on each worker, its skipped steps on the server."""
+    config = Namespace(trainer=Namespace(strategy=Namespace(init_args=Namespace(max_staleness=4,
+                                                                                staleness_policy="scale"))))
+    with pytest.raises(UserError, match="16-mixed under the parameter server"):
+        check_asynchronous(config, 3, "16-mixed")
