@@ -109,7 +109,8 @@ class ParameterServerStrategy(DDPStrategy):
             stale_synchronous: a worker that has pushed more than S batches beyond the slowest one waits.
             process_group_backend: the backend of the process group the ranks start in (messages always go over
                 gloo).
-            timeout: a worker silent this long (dead or hung) ends the run; also the wait for any message.
+            timeout: a worker silent this long (dead or hung) ends the run; also the longest a worker waits for the
+                server's reply, which includes the server's validation and checkpoint writes.
         """
         check_staleness(max_staleness, staleness_policy)
         self._group: dist.ProcessGroup | None = None  # the messages' gloo group, once the ranks have met
@@ -336,7 +337,9 @@ class ParameterServer(Callback):
         self.training = set(self.workers)  # those that have not said goodbye
         self.pushes: Counter[int] = Counter()  # per worker, this run: its clock under the stale-synchronous bound
         self.held: list[int] = []  # workers whose reply waits for the slowest (stale_synchronous)
-        self.last_heard = {worker: time.monotonic() for worker in self.workers}
+        # per worker, the seconds the server has waited for messages since that worker's last one: a worker waits
+        # for the server while it validates or checkpoints, or holds its reply, and is silent then for good reason
+        self.silent = {worker: 0.0 for worker in self.workers}
         for worker in self.workers:
             self.in_flight.setdefault(worker, deque())
         self.stopping = False
@@ -372,25 +375,25 @@ class ParameterServer(Callback):
 
     def _receive(self) -> tuple[int, torch.Tensor]:
         header = torch.empty(HEADER_FIELDS, dtype=torch.float64)
+        timeout = self.strategy.message_timeout
+        waiting_since = time.monotonic()
         try:
             worker = dist.recv(header, src=None, group=self.group)
         except RuntimeError as error:
             if "Timed out" not in str(error):
                 raise
-            silent = ", ".join(f"rank {worker} ({time.monotonic() - self.last_heard[worker]:.0f} s)"
-                               for worker in sorted(self.training))
+            silent = ", ".join(f"rank {worker}" for worker in sorted(self.training))
             raise WorkerLost(f"parameter server: no worker has sent anything for trainer.strategy.init_args.timeout="
-                             f"{self.strategy.message_timeout:g} s (silent: {silent}): they died or hang; their own "
-                             "output or the scheduler's log says why; resume with the same command and --ckpt_path "
-                             "last") from error
-        now = time.monotonic()
-        self.last_heard[worker] = now
+                             f"{timeout:g} s (silent: {silent}): they died or hang; their own output or the "
+                             "scheduler's log says why; resume with the same command and --ckpt_path last") from error
+        waited = time.monotonic() - waiting_since
         for other in self.training:
-            if now - self.last_heard[other] > self.strategy.message_timeout:
-                raise WorkerLost(f"parameter server: worker rank {other} has sent nothing for "
-                                 f"{now - self.last_heard[other]:.0f} s, more than trainer.strategy.init_args.timeout="
-                                 f"{self.strategy.message_timeout:g} s: it died or hangs (its own output or the "
-                                 "scheduler's log says why); resume with the same command and --ckpt_path last")
+            self.silent[other] = 0.0 if other == worker or other in self.held else self.silent[other] + waited
+            if self.silent[other] > timeout:
+                raise WorkerLost(f"parameter server: worker rank {other} has sent nothing for {self.silent[other]:.0f} "
+                                 f"s of the server's waiting, more than trainer.strategy.init_args.timeout={timeout:g} "
+                                 "s: it died or hangs (its own output or the scheduler's log says why); resume with "
+                                 "the same command and --ckpt_path last")
         return worker, header
 
     def _receive_push(self, worker: int, header: torch.Tensor) -> Push:
