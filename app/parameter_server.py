@@ -65,6 +65,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torchmetrics import Metric
 
+from app.tensorboard_layout import log_final_val_loss, tensorboard_loggers
 from core.errors import UserError, check_ranges
 from core.run_plan import run_plan_of
 from datamodules.samplers import GlobalBatchSampler
@@ -76,6 +77,14 @@ SERVER_RANK = 0
 HEADER_FIELDS = 6
 ASK_STEP, PULL, PUSH, GOODBYE = 1, 2, 3, 4  # worker to server
 STEP, WEIGHTS, STOP = 5, 6, 7  # server to worker
+
+
+# TensorBoard's CUSTOM SCALARS tab for an asynchronous run: tags are regular expressions, matched from the start
+ASYNC_LAYOUT = {"asynchronous": {
+    "throughput — every worker": ["Multiline", [r"async/\w+_per_second/rank\d+$"]],
+    "staleness of the applied gradients — mean, max": ["Multiline", [r"async/staleness_(mean|max)$"]],
+    "updates — applied, dropped": ["Multiline", [r"async/updates_(applied|dropped)$"]],
+}}
 
 
 class WorkerLost(RuntimeError):
@@ -344,7 +353,12 @@ class ParameterServer(Callback):
             self.in_flight.setdefault(worker, deque())
         self.stopping = False
         self._parameters = [param for param in self.strategy.lightning_module.parameters()]
+        self.tokens: Counter[int] = Counter()  # per worker, this run
+        self.started = time.monotonic()
         self._start_window()
+        if trainer.is_global_zero:  # the monitor, which writes the layout of synchronous runs, is off here
+            for logger in tensorboard_loggers(trainer):
+                logger.experiment.add_custom_scalars(ASYNC_LAYOUT)
 
     def next_push(self) -> Push | None:
         """Answers the workers' other messages until a gradient to apply arrives; None once every worker has left."""
@@ -407,7 +421,9 @@ class ParameterServer(Callback):
         if step in self.in_flight[worker]:
             self.in_flight[worker].remove(step)
         self.pushes[worker] += 1
-        self.window["tokens"][worker] += samples * run_plan_of(module).sequence_length
+        tokens = samples * run_plan_of(module).sequence_length
+        self.window["tokens"][worker] += tokens
+        self.tokens[worker] += tokens
         self.window["seconds"][worker] += seconds
         return Push(worker, version, self.version - version, step, samples, torch.tensor(loss), flat)
 
@@ -490,6 +506,7 @@ class ParameterServer(Callback):
             elif kind == GOODBYE:
                 self.training.discard(worker)
         rank_zero_info(self.summary())
+        log_final_val_loss(self.strategy.lightning_module.trainer)
 
     # ----- what it logs -----
     def _start_window(self) -> None:
@@ -504,8 +521,8 @@ class ParameterServer(Callback):
         staleness = torch.tensor(window["staleness"] or [0], dtype=torch.float32)
         metrics = {"async/staleness_mean": staleness.mean().item(), "async/staleness_max": staleness.max().item(),
                    "async/updates_applied": float(self.version), "async/updates_dropped": float(self.dropped)}
-        for worker in self.workers:
-            metrics[f"async/worker_{worker}_{run_plan_of(pl_module).unit}_per_second"] = window["tokens"][worker] / elapsed
+        for worker in self.workers:  # what each worker pushed (applied or dropped) per second of this window
+            metrics[f"async/{run_plan_of(pl_module).unit}_per_second/rank{worker}"] = window["tokens"][worker] / elapsed
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
             experiment = getattr(logger, "experiment", None)
@@ -517,12 +534,15 @@ class ParameterServer(Callback):
         applied = sum(self.staleness_counts.values())
         mean = sum(stale * count for stale, count in self.staleness_counts.items()) / max(applied, 1)
         histogram = ", ".join(f"{stale}: {count}" for stale, count in sorted(self.staleness_counts.items()))
-        workers = ", ".join(f"rank {worker} {self.pushes[worker]}" for worker in self.workers)
+        elapsed = time.monotonic() - self.started
+        unit = run_plan_of(self.strategy.lightning_module).unit
+        workers = ", ".join(f"rank {worker} {self.pushes[worker]} ({self.tokens[worker] / elapsed:,.0f} {unit}/s)"
+                            for worker in self.workers)
         return (f"parameter server: {applied} updates applied, {self.scaled} of them with the learning rate divided "
                 f"by their staleness, {self.dropped} dropped (staleness > {self.strategy.max_staleness}, policy "
                 f"{self.strategy.staleness_policy}); staleness of those applied: mean {mean:.2f}, "
                 f"max {max(self.staleness_counts, default=0)}, counts {{{histogram}}}; pushes per worker since this "
-                f"process started: {workers}")
+                f"process started, and what they carried: {workers}")
 
     # ----- checkpoint: numbers only -----
     # ----- checkpoint: numbers only (the data position is the server's loader's, Pushes) -----

@@ -123,10 +123,10 @@ def run_as_nodes(args: list[str], cwd: Path, nodes: int = 3, timeout: float = 12
 @pytest.mark.parametrize("killed", [2, 0], ids=["worker", "server"])
 def test_a_killed_rank_ends_the_run_within_the_timeout(killed: int, tmp_path: Path, debug_run_args: list[str]) -> None:
     """SIGKILL a worker: the server, still hearing from the other, names the silent one once the strategy's
-    timeout (15 s here) has passed, and the other worker loses the server. SIGKILL the server: both workers lose
+    timeout (10 s here) has passed, and the other worker loses the server. SIGKILL the server: both workers lose
     it at their next message. Either way every process ends, with a line that says so."""
     start = time.monotonic()
-    results = run_as_nodes([*debug_run_args, *ASYNC, "--trainer.strategy.init_args.timeout", "0:00:15",
+    results = run_as_nodes([*debug_run_args, *ASYNC, "--trainer.strategy.init_args.timeout", "0:00:10",
                             "--trainer.max_steps", "100000", "--trainer.callbacks+=tests.helpers.KillRank",
                             f"--trainer.callbacks.rank={killed}", "--trainer.callbacks.step=3", *QUIET], tmp_path)
     assert time.monotonic() - start < 60
