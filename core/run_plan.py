@@ -2,6 +2,7 @@
 handed to the data, the model, the callbacks and ``cohort doctor``, so that none of them works it out again.
 
     world size   = devices per node x nodes = pipeline stages x data-parallel x tensor-parallel
+                                            (asynchronous: 1 parameter server + the workers)
     global batch = micro batch x data-parallel size x accumulation
     micro batch  = pipeline micro-batch x pipeline_microbatches (with pipeline stages only)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -143,7 +144,8 @@ def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_interrupted(tmp
                   "--trainer.callbacks.step=5"], restarted, NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
     output = outputs_of([job], timeout=300)[0]
     assert job.returncode == 0, output[-3000:]
-    assert "failed (exitcode: -9) local_rank: 1" in output, output[-3000:]  # it did die, and only once
+    # it did die: torchrun names the first failure it sees, rank 1's SIGKILL or rank 0 leaving at once on the lost peer
+    assert re.search(r"failed \(exitcode: (-9|1)\) local_rank: [01]", output), output[-3000:]
     assert output.count("resuming from lightning_logs/version_0/checkpoints/last.ckpt") == 1
     assert not (restarted / "lightning_logs" / "version_1").exists()
     straight = fit(tmp_path / "straight", run)
