@@ -96,10 +96,8 @@ class Push:
     """A worker's gradient for one global batch, as the server's training loop receives it (its "batch")."""
 
     worker: int
-    version: int  # the weights it was computed on
-    staleness: int  # updates applied since that version
+    staleness: int  # updates applied since the version of the weights it was computed on
     step: int  # the global batch it was computed on
-    samples: int
     loss: torch.Tensor
     gradient: torch.Tensor  # the flat gradients, then the floating-point buffers after the worker's forward
 
@@ -425,7 +423,7 @@ class ParameterServer(Callback):
         self.window["tokens"][worker] += tokens
         self.tokens[worker] += tokens
         self.window["seconds"][worker] += seconds
-        return Push(worker, version, self.version - version, step, samples, torch.tensor(loss), flat)
+        return Push(worker, self.version - version, step, torch.tensor(loss), flat)
 
     def _hand_out(self, worker: int) -> None:
         if self.stopping:
