@@ -74,19 +74,19 @@ def test_equal_workers_without_staleness_train_as_synchronous_sgd(tmp_path: Path
 def test_a_slow_worker_is_stale_within_the_bound_and_a_stopped_run_resumes(tmp_path: Path,
                                                                           debug_run_args: list[str]) -> None:
     """Worker 2 sleeps 0.1 s in each micro-batch, so its gradients arrive several updates stale. With max_staleness
-    1 and drop, nothing older than 1 is applied and its gradients are dropped. SIGUSR1 to the server at update 30
+    1 and drop, nothing older than 1 is applied and its gradients are dropped. SIGUSR1 to the server at update 40
     makes it checkpoint and stop every worker; the checkpoint's data position says every batch handed out was
-    applied exactly once or is to be handed out again. The run resumes from it to 60 updates with the scale policy:
+    applied exactly once or is to be handed out again. The run resumes from it to 120 updates with the scale policy:
     then the slow worker's gradients are applied, more than 1 stale, each with its learning rate scaled."""
-    run = [*debug_run_args, *ASYNC, *batch_sizes(8, 4), "--trainer.max_steps", "60",
+    run = [*debug_run_args, *ASYNC, *batch_sizes(8, 4), "--trainer.max_steps", "120",
            "--trainer.callbacks+=tests.helpers.SlowRank", "--trainer.callbacks.rank=2",
            "--trainer.callbacks.seconds=0.1", *QUIET]
     stopped = run_cohort(["fit", *run, *staleness(1, "drop"), "--trainer.callbacks+=tests.helpers.SignalAtStep",
-                          "--trainer.callbacks.signal_name=SIGUSR1", "--trainer.callbacks.step=30",
+                          "--trainer.callbacks.signal_name=SIGUSR1", "--trainer.callbacks.step=40",
                           "--trainer.callbacks.micro_batch=0"], cwd=tmp_path)
     assert stopped.returncode == 128 + 10, stopped.stderr[-3000:]
     counts, scaled, dropped = summary_counts(stopped.stdout + stopped.stderr)
-    assert max(counts) <= 1 and sum(counts.values()) == 31 and scaled == 0 and dropped > 0, (counts, dropped)
+    assert max(counts) <= 1 and sum(counts.values()) == 41 and scaled == 0 and dropped > 0, (counts, dropped)
     checkpoint = torch.load(last_checkpoint(tmp_path), map_location="cpu", weights_only=True)
     position = checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
     unapplied = position["unapplied_steps"]
@@ -96,8 +96,8 @@ def test_a_slow_worker_is_stale_within_the_bound_and_a_stopped_run_resumes(tmp_p
     resumed = run_cohort(["fit", *run, *staleness(1, "scale"), "--ckpt_path", "last"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     counts, scaled, _ = summary_counts(resumed.stdout + resumed.stderr)
-    assert sum(counts.values()) == 60 and scaled == sum(count for stale, count in counts.items() if stale > 1) > 0
-    assert torch.load(last_checkpoint(tmp_path), map_location="cpu", weights_only=True)["global_step"] == 60
+    assert sum(counts.values()) == 120 and scaled == sum(count for stale, count in counts.items() if stale > 1) > 0
+    assert torch.load(last_checkpoint(tmp_path), map_location="cpu", weights_only=True)["global_step"] == 120
 
 
 def run_as_nodes(args: list[str], cwd: Path, nodes: int = 3, timeout: float = 120) -> list[subprocess.CompletedProcess]:
