@@ -72,9 +72,9 @@ from datamodules.samplers import GlobalBatchSampler
 
 STALENESS_POLICIES = ("drop", "scale")
 SERVER_RANK = 0
-# a header: what the message is, the weights' version, a global batch's index, samples, the worker's seconds on the
-# step, its mean loss; float64 holds every integer the run counts exactly
-HEADER_FIELDS = 6
+# a header: what the message is, the weights' version, a global batch's index, samples, the worker's mean loss;
+# float64 holds every integer the run counts exactly
+HEADER_FIELDS = 5
 ASK_STEP, PULL, PUSH, GOODBYE = 1, 2, 3, 4  # worker to server
 STEP, WEIGHTS, STOP = 5, 6, 7  # server to worker
 
@@ -276,6 +276,12 @@ def floating_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
     return [buffer for buffer in module.buffers() if buffer.is_floating_point()]
 
 
+def flat_sizes(module: torch.nn.Module) -> tuple[int, int]:
+    """The numbers in a flat vector that ``flat_state`` makes: the parameters', and all of it with the buffers."""
+    parameters = sum(param.numel() for param in module.parameters())
+    return parameters, parameters + sum(buffer.numel() for buffer in floating_buffers(module))
+
+
 @torch.no_grad()
 def load_buffers(module: torch.nn.Module, flat: torch.Tensor) -> None:
     """The floating-point buffers from the tail of a flat vector that ``flat_state`` made."""
@@ -285,8 +291,8 @@ def load_buffers(module: torch.nn.Module, flat: torch.Tensor) -> None:
 
 
 def send_header(kind: int, group: dist.ProcessGroup, destination: int, version: int = 0, step: int = -1,
-                samples: int = 0, seconds: float = 0.0, loss: float = 0.0) -> None:
-    header = torch.tensor([kind, version, step, samples, seconds, loss], dtype=torch.float64)
+                samples: int = 0, loss: float = 0.0) -> None:
+    header = torch.tensor([kind, version, step, samples, loss], dtype=torch.float64)
     dist.send(header, dst=destination, group=group)
 
 
@@ -351,6 +357,7 @@ class ParameterServer(Callback):
             self.in_flight.setdefault(worker, deque())
         self.stopping = False
         self._parameters = [param for param in self.strategy.lightning_module.parameters()]
+        self._parameter_count, self._flat_size = flat_sizes(self.strategy.lightning_module)
         self.tokens: Counter[int] = Counter()  # per worker, this run
         self.started = time.monotonic()
         self._start_window()
@@ -409,20 +416,15 @@ class ParameterServer(Callback):
         return worker, header
 
     def _receive_push(self, worker: int, header: torch.Tensor) -> Push:
-        module = self.strategy.lightning_module
-        size = sum(param.numel() for param in self._parameters) + sum(
-            buffer.numel() for buffer in floating_buffers(module))
-        flat = torch.empty(size, dtype=torch.float32)
+        flat = torch.empty(self._flat_size, dtype=torch.float32)
         dist.recv(flat, src=worker, group=self.group)
-        version, step, samples, seconds, loss = (int(header[1]), int(header[2]), int(header[3]), float(header[4]),
-                                                 float(header[5]))
+        version, step, samples, loss = int(header[1]), int(header[2]), int(header[3]), float(header[4])
         if step in self.in_flight[worker]:
             self.in_flight[worker].remove(step)
         self.pushes[worker] += 1
-        tokens = samples * run_plan_of(module).sequence_length
+        tokens = samples * run_plan_of(self.strategy.lightning_module).sequence_length
         self.window["tokens"][worker] += tokens
         self.tokens[worker] += tokens
-        self.window["seconds"][worker] += seconds
         return Push(worker, self.version - version, step, torch.tensor(loss), flat)
 
     def _hand_out(self, worker: int) -> None:
@@ -446,12 +448,11 @@ class ParameterServer(Callback):
     def install_gradient(self) -> None:
         push = self._current
         assert push is not None
-        module = self.strategy.lightning_module
-        count = sum(param.numel() for param in self._parameters)
+        count = self._parameter_count
         gradient = push.gradient[:count].to(self._parameters[0].device)
         for param, flat in zip(self._parameters, gradient.split([param.numel() for param in self._parameters])):
             param.grad = flat.view_as(param).to(param.dtype)
-        load_buffers(module, push.gradient[count:])
+        load_buffers(self.strategy.lightning_module, push.gradient[count:])
 
     def scaled_learning_rate(self, optimizer: Any) -> ScaledLearningRate:
         push = self._current
@@ -508,8 +509,7 @@ class ParameterServer(Callback):
 
     # ----- what it logs -----
     def _start_window(self) -> None:
-        self.window = {"start": time.monotonic(), "staleness": [], "dropped": 0, "tokens": Counter(),
-                       "seconds": Counter()}
+        self.window = {"start": time.monotonic(), "staleness": [], "dropped": 0, "tokens": Counter()}
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -542,7 +542,6 @@ class ParameterServer(Callback):
                 f"max {max(self.staleness_counts, default=0)}, counts {{{histogram}}}; pushes per worker since this "
                 f"process started, and what they carried: {workers}")
 
-    # ----- checkpoint: numbers only -----
     # ----- checkpoint: numbers only (the data position is the server's loader's, Pushes) -----
     def state_dict(self) -> dict[str, Any]:
         return {"staleness_counts": dict(self.staleness_counts), "dropped": self.dropped, "scaled": self.scaled}
@@ -579,9 +578,9 @@ class Worker:
         self.assigned: deque[int] = deque()  # batches handed to this worker, in the order its loader reads them
         self.loss_sum = 0.0
         self.micro_batches = 0
-        self.step_start = time.perf_counter()
         module = strategy.lightning_module
         self._parameters = [param for param in module.parameters()]
+        self._parameter_count, self._flat_size = flat_sizes(module)
         # Lightning still steps a worker's copy of the schedule after each push, and torch warns that its optimizer,
         # which the server alone steps, never did; the schedule that counts is the server's
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
@@ -613,11 +612,10 @@ class Worker:
         plan = run_plan_of(module)
         step = self.assigned.popleft() if self.assigned else -1
         send_header(PUSH, self.group, SERVER_RANK, self.version, step=step, samples=plan.global_batch_size,
-                    seconds=time.perf_counter() - self.step_start, loss=self.loss_sum / max(self.micro_batches, 1))
+                    loss=self.loss_sum / max(self.micro_batches, 1))
         dist.send(flat, dst=SERVER_RANK, group=self.group)
         self.loss_sum, self.micro_batches = 0.0, 0
         self._take_reply()
-        self.step_start = time.perf_counter()
 
     def goodbye(self) -> None:
         send_header(GOODBYE, self.group, SERVER_RANK, self.version)
@@ -633,13 +631,11 @@ class Worker:
         if int(header[0]) == STOP:
             self._stop()
             return
-        module = self.strategy.lightning_module
-        count = sum(param.numel() for param in self._parameters)
-        flat = torch.empty(count + sum(buffer.numel() for buffer in floating_buffers(module)), dtype=torch.float32)
+        flat = torch.empty(self._flat_size, dtype=torch.float32)
         dist.recv(flat, src=SERVER_RANK, group=self.group)
-        device = self._parameters[0].device
-        vector_to_parameters(flat[:count].to(device), self._parameters)
-        load_buffers(module, flat[count:])
+        count = self._parameter_count
+        vector_to_parameters(flat[:count].to(self._parameters[0].device), self._parameters)
+        load_buffers(self.strategy.lightning_module, flat[count:])
         self.version = int(header[1])
 
     def _stop(self) -> None:
