@@ -28,7 +28,7 @@ from models.language_model import GPTLanguageModel
 from models.module import weight_decay_groups
 from tests.helpers import (
     CLIP, CONFIG_DIR, GPU_LAYOUTS, PRECISIONS, assert_trains_as_one_does, assert_trains_with_clipping_that_bites, cached_fits,
-    clipped_run, fit, scalars, shrunk, without_key_bias,
+    adam_weight_drift, clipped_run, fit, scalars, shrunk,
 )
 
 pytestmark = pytest.mark.slow
@@ -147,9 +147,9 @@ def test_fp16_grad_scaler_with_fused_adamw_matches_torchs_amp_recipe(byte_corpus
         optimizer.zero_grad()
     assert len(record.norms) == steps and min(record.norms) > CLIP
     assert record.norms == pytest.approx(reference_norms, rel=1e-6)
-    # within 1 % of one update (lr 1e-3): seen here 4e-9, and 4e-7 after other in-process runs changed some
-    # global state of torch's CPU float16 kernels; the key biases, whose true gradient is 0, are left out (see
-    # without_key_bias)
-    trained, expected = without_key_bias(module.model.state_dict()), without_key_bias(reference.model.state_dict())
-    for name, weight in trained.items():
-        torch.testing.assert_close(weight, expected[name], rtol=0, atol=1e-5, msg=name)
+    # the same updates in another order of sums (torch's CPU float16 kernels vary with global state: 4e-9 to 4e-7
+    # seen here), within what AdamW's normalised steps allow (tests/helpers.py adam_weight_drift)
+    drift = adam_weight_drift({"hyper_parameters": dict(module.hparams), "global_step": steps})
+    expected = reference.model.state_dict()
+    for name, weight in module.model.state_dict().items():
+        torch.testing.assert_close(weight, expected[name], rtol=0, atol=drift, msg=name)
