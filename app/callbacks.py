@@ -1,5 +1,5 @@
-"""Callbacks every run gets: per-rank seeding, generated text, NCCL's flight recorder on GPUs (checkpoints:
-app/checkpoints.py)."""
+"""Callbacks every run gets: the same CPU threads on every rank, per-rank seeding, generated text, NCCL's flight
+recorder on GPUs (checkpoints: app/checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,19 @@ from app.preemption import stopped_by_signal
 from core.run_plan import run_plan_of
 from core.seeding import derive_seed
 from models.language_model import GPTLanguageModel
+
+
+class SameThreadsOnEveryRank(Callback):
+    """Every rank computes with the same number of CPU threads: OMP_NUM_THREADS where set (torchrun sets 1), else the
+    CPUs this process may use divided by the processes on this machine, as Lightning's launchers choose. A CPU
+    reduction split over another number of threads rounds differently, and ModelParallelStrategy's launcher sets
+    the count in rank 0 only (the ranks it starts keep torch's default): ranks that compute the same thing, as
+    tensor parallelism's replicated layers do, then drift apart by rounding until the replica check stops the run."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        given = os.environ.get("OMP_NUM_THREADS", "")
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(int(given) if given.isdigit() and int(given) > 0 else max(1, cpus // trainer.num_devices))
 
 
 class PerRankSeed(Callback):

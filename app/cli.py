@@ -23,16 +23,17 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from app.bad_steps import BadStepGuard
-from app.callbacks import NcclFlightRecorder, PerRankSeed, PrintPredictions
+from app.callbacks import NcclFlightRecorder, PerRankSeed, PrintPredictions, SameThreadsOnEveryRank
 from app.checkpoints import RunCheckpoint
 from app.commands import DESCRIPTION, LIGHTNING_COMMANDS, describe
 from app.gradient_compression import GradientCompression
 from app.local_updates import LocalUpdates
-from app.monitoring import RankMonitor, ReplicaDivergenceError
+from app.monitoring import RankMonitor
 from app.parameter_server import WorkerLost
 from app.preemption import PreemptionCheckpoint, preemption_callback
 from app.preflight import Preflight, check_config
 from app.progress import StepProgress
+from app.replica_check import ReplicaCheck, ReplicaDivergenceError
 from core.errors import UserError
 from core.run_plan import RunPlan
 from core.seeding import DEFAULT_SEED
@@ -86,7 +87,7 @@ class CohortCLI(LightningCLI):
                 "use_distributed_sampler": False,  # the datamodule shards by rank itself
                 # Lightning's table lists the metric modules and "Total Flops 0"; before_fit prints one line instead
                 "enable_model_summary": False,
-                "callbacks": [PerRankSeed(), PrintPredictions()],
+                "callbacks": [SameThreadsOnEveryRank(), PerRankSeed(), PrintPredictions()],
             },
             parser_class=CohortArgumentParser,
             save_config_kwargs={"overwrite": True},  # a resumed run rewrites its own config.yaml
@@ -136,6 +137,8 @@ class CohortCLI(LightningCLI):
         # sync (DDP), local SGD or DiLoCo: ranks step on their own gradients and meet every sync_every steps
         parser.add_lightning_class_args(LocalUpdates, "local_updates")
         parser.add_lightning_class_args(RankMonitor, "monitor")  # per-rank timing, stragglers, MFU, memory
+        # ranks that should hold the same weights do, under every strategy; the network sharded as the strategy says
+        parser.add_lightning_class_args(ReplicaCheck, "replica_check")
         parser.add_lightning_class_args(BadStepGuard, "bad_steps")  # NaN, inf and loss spikes: stop, skip, rollback
         parser.add_lightning_class_args(PreemptionCheckpoint, "preemption")  # SIGTERM, SIGUSR1: checkpoint, then stop
         # not a callback key: instantiate_trainer adds it only where Lightning would add its own bar

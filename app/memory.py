@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from core.errors import UserError
+from models.parallelize import repeated_blocks
 
 if TYPE_CHECKING:
     from models.module import CohortModule
@@ -257,21 +258,6 @@ def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
     return output
-
-
-def repeated_blocks(network: nn.Module) -> list[nn.Module]:
-    """The network's repeated layers: the children of its ModuleLists, ModuleDicts and Sequentials that hold one
-    class only (GPT's blocks, a BERT encoder's layers, a ResNet's residual blocks over its stages), of the class that
-    holds the most parameters. Networks laid out otherwise pass ``blocks`` to the estimator."""
-    by_class: dict[type, list[nn.Module]] = {}
-    for module in network.modules():
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and len(module) > 0:
-            children = list(module.children())
-            if len({type(child) for child in children}) == 1 and not isinstance(children[0], nn.Sequential):
-                by_class.setdefault(type(children[0]), []).extend(children)
-    if not by_class:
-        return []
-    return max(by_class.values(), key=lambda blocks: sum(p.numel() for block in blocks for p in block.parameters()))
 
 
 def profile_network(

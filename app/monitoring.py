@@ -1,4 +1,4 @@
-"""See every rank: step-time split, stragglers, per-rank loss, replica consistency, throughput, MFU and memory.
+"""See every rank: step-time split, stragglers, per-rank loss, throughput, MFU and memory.
 
 Each rank measures its own window of ``every_n_steps`` optimizer steps; at the window's end one all_gather of a
 small float64 row per rank brings every number to every rank, so every rank reaches the same verdicts and rank 0
@@ -41,24 +41,19 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from app.flops import measured_peak_tflops, peak_tflops_per_device
 from app.gradient_compression import registered_compression
-from app.local_updates import LocalUpdates, replicas_differ
+from app.local_updates import LocalUpdates
 from app.tensorboard_layout import log_final_val_loss, write_layout
 from core.run_plan import run_plan_of
 from models.pipeline import theoretical_bubble
 
 # One row per rank per window; the names are also the TensorBoard tags under monitor/.
 FIELDS = ("data_wait_s", "compute_s", "sync_wait_s", "step_s", "pipeline_compute_s", "pipeline_wait_s", "loss",
-          "loss_std", "host_rss_gib", "cuda_peak_allocated_gib", "cuda_peak_reserved_gib", "param_checksum",
-          "param_square_sum")
+          "loss_std", "host_rss_gib", "cuda_peak_allocated_gib", "cuda_peak_reserved_gib")
 PIPELINE_FIELDS = ("pipeline_compute_s", "pipeline_wait_s")  # logged under a pipeline only
 PER_STEP_FIELDS = ("data_wait_s", "compute_s", "sync_wait_s", "step_s")
 GIB = 2**30
 # alerts go through logging, not warnings: a run started with -W ignore must still hear about a straggler
 alert = rank_zero_only(logging.getLogger(__name__).warning)
-
-
-class ReplicaDivergenceError(RuntimeError):
-    """DDP replicas that should hold identical weights do not."""
 
 
 def host_rss_bytes() -> float:
@@ -112,7 +107,6 @@ class RankMonitor(Callback):
         straggler_windows: int = 3,
         data_wait_warning_share: float = 0.1,
         loss_alert_sigmas: float = 6.0,
-        replica_check_every_n_steps: int = 100,
         peak_tflops: float | None = None,
         enabled: bool = True,
     ) -> None:
@@ -124,7 +118,6 @@ class RankMonitor(Callback):
             straggler_windows: windows in a row a rank must be slow before it is reported as a straggler.
             data_wait_warning_share: warn when waiting for data exceeds this share of the step time.
             loss_alert_sigmas: warn when a rank's mean loss is this many standard errors from the others'.
-            replica_check_every_n_steps: compare DDP replicas' weights this often (0: never).
             peak_tflops: peak TFLOP/s of one device, for MFU; None: the data sheet's for GPUs in app/flops.py,
                 else what a short matmul probe measures at the start (CPUs, other GPUs).
             enabled: False leaves the monitor out of the run (the CLI removes it before fit).
@@ -135,7 +128,6 @@ class RankMonitor(Callback):
         self.straggler_windows = straggler_windows
         self.data_wait_warning_share = data_wait_warning_share
         self.loss_alert_sigmas = loss_alert_sigmas
-        self.replica_check_every_n_steps = replica_check_every_n_steps
         self.peak_tflops = peak_tflops
         self.hosts: list[str] = []
         self.summary: list[dict[str, float]] = []  # one entry per window, on every rank
@@ -145,7 +137,6 @@ class RankMonitor(Callback):
         self._cuda = False  # set at train start: the device is a GPU
         self._slow_windows: dict[int, int] = {}
         self._data_wait_warned = False
-        self._replica_check_pending = False
 
     # ----- setup -----
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -259,8 +250,6 @@ class RankMonitor(Callback):
             pipeline_wait = self._pipeline.schedule_seconds - self._pipeline_at_start[1] - pipeline_compute
             self._window["compute_s"] -= pipeline_wait
         losses = torch.stack(self._losses).double()
-        check_replicas = self._replica_check_due(trainer)
-        params = [p.detach() for p in trainer.lightning_module.parameters()] if check_replicas else []
         row = torch.tensor([
             *(self._window[f] / self._steps for f in ("data_wait_s", "compute_s", "sync_wait_s")),
             (time.perf_counter() - self._window_start - self._paused) / self._steps,
@@ -269,15 +258,11 @@ class RankMonitor(Callback):
             host_rss_bytes() / GIB,
             torch.cuda.max_memory_allocated() / GIB if self._cuda else 0.0,
             torch.cuda.max_memory_reserved() / GIB if self._cuda else 0.0,
-            float(sum(p.double().sum() for p in params)) if params else 0.0,
-            float(sum(p.double().square().sum() for p in params)) if params else 0.0,
         ], dtype=torch.float64)
         table = self._gather(trainer, row)  # (world_size, len(FIELDS))
         window = {name: table[:, i].tolist() for i, name in enumerate(FIELDS)}
         window["losses_per_rank"] = len(losses)
         self._report(trainer, window)
-        if check_replicas:
-            self._check_replicas(trainer, window)
         self._reset_window()
 
     def _gather(self, trainer: L.Trainer, row: torch.Tensor) -> torch.Tensor:
@@ -287,17 +272,6 @@ class RankMonitor(Callback):
         rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, row)
         return torch.stack(rows).cpu()
-
-    def _replica_check_due(self, trainer: L.Trainer) -> bool:
-        """Whether this window checks the replicas: one that crossed a multiple of replica_check_every_n_steps, or
-        under local updates the first after it that ends on a sync (between two, the replicas differ by design)."""
-        every = self.replica_check_every_n_steps
-        self._replica_check_pending |= (every > 0 and isinstance(trainer.strategy, DDPStrategy)
-                                        and trainer.world_size > 1
-                                        and trainer.global_step // every != (trainer.global_step - self._steps) // every)
-        due = self._replica_check_pending and not replicas_differ(trainer)
-        self._replica_check_pending &= not due
-        return due
 
     def _report(self, trainer: L.Trainer, window: dict[str, Any]) -> None:
         step_seconds = statistics.median(window["step_s"])
@@ -385,17 +359,6 @@ class RankMonitor(Callback):
                 alert(f"rank {rank} loss {losses[rank]:.4f} is {sigmas:.1f} standard errors from the "
                                f"median {median:.4f}: check its data and its weights")
         return {"monitor/loss_departure_sigmas/max": max(departures)}
-
-    def _check_replicas(self, trainer: L.Trainer, window: dict[str, Any]) -> None:
-        reference = (window["param_checksum"][0], window["param_square_sum"][0])
-        differing = [rank for rank, pair in enumerate(zip(window["param_checksum"], window["param_square_sum"]))
-                     if pair != reference]
-        if differing:
-            raise ReplicaDivergenceError(
-                f"replica check at step {trainer.global_step}: rank(s) {differing} hold different weights than rank 0 "
-                f"(checksums {[window['param_checksum'][r] for r in differing]} vs {reference[0]}); a rank's "
-                "update went wrong (hardware, non-deterministic op or a bug): resume from the last checkpoint"
-            )
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         log_final_val_loss(trainer)

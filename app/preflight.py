@@ -133,11 +133,37 @@ def check_config(config: Namespace) -> RunPlan:
     )
     check_compression(getattr(config, "gradient_compression", None), trainer.strategy, plan.world_size)
     check_local_updates(config, plan.world_size)
-    model_class(config).check_config(config.model.init_args, data, plan)
+    family = model_class(config)
+    check_family_honours_strategy(family, plan, trainer.strategy)
+    family.check_config(config.model.init_args, data, plan)
     if is_fsdp(trainer.strategy) and getattr(config.model.init_args, "activation_checkpointing", False):
         raise UserError("model.activation_checkpointing is for DDP and model_parallel; under fsdp set "
                         "trainer.strategy.init_args.activation_checkpointing_policy (see configs/trainer/fsdp_gpu_bf16.yaml)")
     return plan
+
+
+def check_family_honours_strategy(family: type[CohortModule], plan: RunPlan, strategy: str | Namespace | None) -> None:
+    """A UserError, naming what the family lacks, for a layout its network cannot be given: pipeline stages without
+    ``build_pipeline``, tensor parallelism without ``tensor_parallel_plan``, and any sharded strategy for a family
+    that builds its network in its own ``configure_model`` (where Cohort cannot shard it, each rank would train a
+    replica of its own)."""
+    name = family.__name__
+    if plan.pipeline_parallel_size > 1 and not overrides(family, "build_pipeline"):
+        raise UserError(f"{name} has no pipeline split (CohortModule.build_pipeline): train it without pipeline "
+                        "stages (configs/trainer/ddp_cpu.yaml, model_parallel_cpu.yaml or their GPU versions)")
+    if plan.tensor_parallel_size > 1 and not overrides(family, "tensor_parallel_plan"):
+        raise UserError(f"{name} has no tensor-parallel plan (CohortModule.tensor_parallel_plan): set "
+                        "trainer.strategy.init_args.tensor_parallel_size 1, or give the family a plan")
+    sharded = strategy_name(strategy).endswith(("ModelParallelStrategy", "PipelineParallelStrategy"))
+    if sharded and plan.world_size > 1 and overrides(family, "configure_model"):
+        raise UserError(f"{name} builds its network in its own configure_model, which Cohort cannot shard over "
+                        f"{plan.world_size} processes: remove configure_model and let Cohort build plain_network() "
+                        "(README: 'A family of your own'), or train it with DDP (configs/trainer/ddp_cpu.yaml)")
+
+
+def overrides(family: type[CohortModule], method: str) -> bool:
+    """Whether the family gives its own ``method`` rather than CohortModule's."""
+    return getattr(family, method) is not getattr(CohortModule, method)
 
 
 def model_class(config: Namespace) -> type[CohortModule]:

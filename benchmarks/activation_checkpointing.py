@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 
 from models.gpt import GPT, gpt_config
 from models.module import weight_decay_groups
-from models.parallelize import build_gpt
+from models.language_model import build_gpt
 
 
 class StoragesCreated(TorchDispatchMode):

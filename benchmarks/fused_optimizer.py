@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from models.gpt import GPT, gpt_config
 from models.module import weight_decay_groups
-from models.parallelize import build_gpt, clip_grad_norm_
+from models.language_model import build_gpt
+from models.parallelize import clip_grad_norm_
 
 LEARNING_RATE = 1e-4
 IMPLEMENTATIONS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}

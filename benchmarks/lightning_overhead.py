@@ -105,7 +105,7 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
     from datamodules.token_files import TokenWindows
     from models.gpt import gpt_config
     from models.module import warmup_cosine_schedule, weight_decay_groups
-    from models.parallelize import build_gpt
+    from models.language_model import build_gpt
 
     # what GPTLanguageModel.configure_model builds: the same weights from the same seed
     model = build_gpt(gpt_config(args.model, vocab_size=256, dropout=0.0), torch.device("cpu"), seed=SEED)

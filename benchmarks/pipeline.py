@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from models.gpt import GPTConfig, gpt_config
 from models.module import weight_decay_groups
-from models.parallelize import build_gpt
+from models.language_model import build_gpt
 from models.pipeline import Pipeline, rank_stages, theoretical_bubble
 
 SEED = 1337

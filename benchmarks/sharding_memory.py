@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from models.gpt import gpt_config
 from models.module import weight_decay_groups
-from models.parallelize import build_gpt
+from models.language_model import build_gpt
 
 
 def local_bytes(tensor: torch.Tensor) -> int:

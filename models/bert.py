@@ -8,7 +8,7 @@ as BERT has. Attention is bidirectional and goes through ``F.scaled_dot_product_
 out with ``attention_mask``. Initialisation (``initial_std``) is BERT's: normal(0, 0.02) for every weight matrix
 and embedding, zeros for biases, ones for the norms' weights. Nothing here knows about processes, devices or
 precision: ``models/parallelize.py`` builds the model on the meta device, shards and initialises it
-(``build_bert``).
+(``models.parallelize.build_network``).
 
 As in ``models/gpt.py``, shapes are read from the tensors rather than the config wherever tensor parallelism
 shards them: a rank then holds n_head / tp heads and intermediate_size / tp feed-forward columns.

@@ -19,7 +19,6 @@ from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
 from models.module import CohortModule, optimizer_ranges
-from models.parallelize import build_resnet
 from models.resnet import ResNet, resnet_config
 
 
@@ -83,10 +82,6 @@ class ImageClassifier(CohortModule):
     @classmethod
     def check_config(cls, model: Namespace, data: Namespace, plan: RunPlan) -> None:
         resnet_config(model.model_name)  # an unknown size, before anything starts
-        if plan.tensor_parallel_size > 1 or plan.pipeline_parallel_size > 1:
-            raise UserError(f"the image classifier ('{model.model_name}') is data parallel only: use "
-                            "configs/trainer/ddp_cpu.yaml or ddp_gpu_bf16.yaml, or model_parallel with "
-                            "tensor_parallel_size 1 (FSDP2)")
 
     def describe(self) -> str:
         c = self.config
@@ -95,17 +90,6 @@ class ImageClassifier(CohortModule):
                 f"classes: {self.num_parameters():,} parameters")
 
     # ----- training -----
-    def configure_model(self) -> None:
-        """Build on this rank's device; under ModelParallelStrategy (FSDP2) shard it over the data-parallel ranks."""
-        if self.model is not None:
-            return
-        # no FSDP2 compute dtype: BatchNorm's float32 running statistics cannot meet bfloat16 weights; autocast
-        # runs the convolutions in half precision under mixed precision, as it does under DDP
-        self.model = build_resnet(self.config, self.build_device(), self.hparams.seed, self.device_mesh)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.model(images)
-
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
         logits = self.model(images)

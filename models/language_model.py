@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -9,16 +10,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 from jsonargparse import Namespace
 from lightning.pytorch.utilities import rank_zero_warn
+from torch.distributed.device_mesh import DeviceMesh
 from torchmetrics import MeanMetric
 
 from core.errors import UserError, check_ranges
 from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
-from models.gpt import GPT, gpt_config, training_flops_per_token
-from models.module import FSDP_PARAM_DTYPES, CohortModule, optimizer_ranges
-from models.parallelize import build_gpt, check_tensor_parallel_size, merge_stages
-from models.pipeline import Pipeline, rank_stages
+from models.gpt import GPT, GPTConfig, gpt_config, training_flops_per_token
+from models.module import CohortModule, optimizer_ranges
+from models.parallelize import TensorParallelPlan, build_network, check_tensor_parallel_size
+from models.pipeline import Pipeline, StageSpan, keep_stage, merge_stages, rank_stages
+
+# Megatron-style: the first projection of attention and of the MLP split by output columns (whole heads, thanks to
+# GPT's head-interleaved qkv layout), the second by input rows, so each block needs one all-reduce forward and one
+# backward per sub-layer. Embeddings, norms and the tied head stay replicated
+GPT_TENSOR_PARALLEL_PLAN: TensorParallelPlan = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise",
+                                               "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}
 
 
 class GPTLanguageModel(CohortModule):
@@ -127,36 +135,17 @@ class GPTLanguageModel(CohortModule):
                 f"{c.block_size}, vocabulary {c.vocab_size}: {parameters:,} parameters ({parameters * 4 / 2**20:,.1f} "
                 "MiB in float32)")
 
-    def configure_model(self) -> None:
-        """Build the GPT on the meta device and let ``build_gpt`` parallelise, materialise and initialise it on
-        this rank's device: under ModelParallelStrategy over its (data_parallel, tensor_parallel) mesh, under
-        PipelineParallelStrategy only this rank's stages (two under the interleaved schedule, held together by one
-        GPT so that names are the unsplit model's). With no Trainer (``load_from_checkpoint`` in a plain Python
-        process calls this before loading the weights) it is built whole on the CPU."""
-        if self.model is not None:  # Lightning calls this once per fit/validate/...; build once
-            return
-        trainer, device = self._trainer, self.build_device()
-        plan = run_plan_of(self) if trainer is not None else None
-        spans = [None]  # the whole model, or this rank's pipeline stages
-        if plan is not None and plan.pipeline_parallel_size > 1:
-            spans = rank_stages(self.config.n_layer, self.device_mesh, plan.stages_per_rank, plan.pipeline_layers)
-        stages = [build_gpt(
-            self.config,
-            device=device,
-            seed=self.hparams.seed,
-            device_mesh=self.device_mesh,
-            activation_checkpointing=self.hparams.activation_checkpointing,
-            compile=self.hparams.compile,
-            param_dtype=FSDP_PARAM_DTYPES.get(str(trainer.precision)) if trainer is not None else None,
-            stage=span,
-        ) for span in spans]
-        self.model = stages[0] if len(stages) == 1 else merge_stages(stages)
-        if spans[0] is not None:
-            self.pipeline = Pipeline(stages, spans, self.device_mesh, device, plan.pipeline_schedule,
-                                     plan.pipeline_microbatches)
+    def tensor_parallel_plan(self) -> TensorParallelPlan:
+        return GPT_TENSOR_PARALLEL_PLAN
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(idx)
+    def build_pipeline(self, plan: RunPlan) -> tuple[GPT, Pipeline]:
+        """This rank's stages (two under the interleaved schedule), each built as ``build`` builds the whole GPT but
+        keeping its own blocks, held together by one GPT so that names are the unsplit model's."""
+        spans = rank_stages(self.config.n_layer, self.device_mesh, plan.stages_per_rank, plan.pipeline_layers)
+        stages = [self.build(keep_stage=partial(keep_stage, stage=span)) for span in spans]
+        model = stages[0] if len(stages) == 1 else merge_stages(stages)
+        return model, Pipeline(stages, spans, self.device_mesh, self.build_device(), plan.pipeline_schedule,
+                               plan.pipeline_microbatches)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
@@ -237,3 +226,11 @@ class GPTLanguageModel(CohortModule):
 
 def decode_bytes(tokens: torch.Tensor) -> str:
     return bytes(tokens.tolist()).decode("utf-8", errors="replace")
+
+
+def build_gpt(config: GPTConfig, device: torch.device, seed: int, device_mesh: DeviceMesh | None = None,
+              stage: StageSpan | None = None, **options: Any) -> GPT:
+    """A GPT (or one pipeline ``stage`` of it) built outside Lightning, as ``GPTLanguageModel`` builds it:
+    ``options`` are ``models.parallelize.build_network``'s (device_mesh, activation_checkpointing, ...)."""
+    return build_network(lambda: GPT(config), device, seed, device_mesh, tensor_parallel_plan=GPT_TENSOR_PARALLEL_PLAN,
+                         keep_stage=None if stage is None else partial(keep_stage, stage=stage), **options)

@@ -22,10 +22,15 @@ from core.seeding import DEFAULT_SEED, derive_seed
 from core.tokens import BYTE_BERT_VOCAB_SIZE, BYTE_SPECIAL_TOKENS, IGNORE_INDEX, SpecialTokens
 from models.bert import BERT, bert_config
 from models.masking import check_special_tokens, mask_tokens
-from models.module import FSDP_PARAM_DTYPES, CohortModule, optimizer_ranges
-from models.parallelize import build_bert, check_tensor_parallel_size
+from models.module import CohortModule, optimizer_ranges
+from models.parallelize import TensorParallelPlan, check_tensor_parallel_size
 
 BYTE_VOCAB_SIZE = 256  # the embedded corpus, and any data prepared byte by byte
+# as GPT's (models/language_model.py): query, key and value by output columns (whole heads), the attention output
+# and the second feed-forward layer by input rows; embeddings, norms and the MLM head stay replicated
+BERT_TENSOR_PARALLEL_PLAN: TensorParallelPlan = {
+    "blocks.*.attn.query": "colwise", "blocks.*.attn.key": "colwise", "blocks.*.attn.value": "colwise",
+    "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}
 
 
 class BertMaskedLanguageModel(CohortModule):
@@ -99,9 +104,6 @@ class BertMaskedLanguageModel(CohortModule):
     def check_config(cls, model: Namespace, data: Namespace, plan: RunPlan) -> None:
         config = bert_config(model.model_name)
         name = f"model '{model.model_name}'"
-        if plan.pipeline_parallel_size > 1:
-            raise UserError(f"{name} has no pipeline split: train BERT with DDP, FSDP2 or tensor parallelism "
-                            "(configs/trainer/), not the pipeline presets")
         try:
             check_tensor_parallel_size(config.n_head, plan.tensor_parallel_size)
         except ValueError as error:
@@ -120,17 +122,8 @@ class BertMaskedLanguageModel(CohortModule):
                 f"parameters ({self.num_parameters() * 4 / 2**20:,.1f} MiB in float32)")
 
     # ----- training -----
-    def configure_model(self) -> None:
-        """Build on the meta device, then parallelise, materialise and initialise on this rank's device, as the GPT
-        does (models/parallelize.py ``build_bert``)."""
-        if self.model is not None:
-            return
-        trainer, device = self._trainer, self.build_device()
-        self.model = build_bert(
-            self.config, device=device, seed=self.hparams.seed, device_mesh=self.device_mesh,
-            activation_checkpointing=self.hparams.activation_checkpointing, compile=self.hparams.compile,
-            param_dtype=FSDP_PARAM_DTYPES.get(str(trainer.precision)) if trainer is not None else None,
-        )
+    def tensor_parallel_plan(self) -> TensorParallelPlan:
+        return BERT_TENSOR_PARALLEL_PLAN
 
     def masked(self, window: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[CLS] window[1:-1] [SEP], corrupted as BERT does, and the labels; on the meta device (counting FLOPs and

@@ -3,9 +3,12 @@ the doctor, the monitor, checkpoints) talks to, and the optimizer, learning-rate
 train with.
 
 A family (``models/language_model.py`` for GPT, ``models/masked_language_model.py`` for BERT,
-``models/image_classifier.py`` for the ResNet) subclasses ``CohortModule`` and says, in a few methods, how to build
-its plain network, what one micro-batch looks like and what its loss is. The config picks the family by
-``model.class_path`` (LightningCLI's subclass mode); nothing else in Cohort names a family.
+``models/image_classifier.py`` for the ResNet, or one of your own) subclasses ``CohortModule`` and says, in three
+methods, how to build its plain network, what one micro-batch looks like and what its loss is; optionally its
+tensor-parallel plan and its pipeline stages. Cohort builds the network (``configure_model``: on the meta device,
+parallelised as the strategy says, initialised from the seed), and its default steps train and validate any
+family. The config picks the family by ``model.class_path`` (LightningCLI's subclass mode); nothing else in Cohort
+names a family.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ from lightning.pytorch.plugins import Precision
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.flop_counter import FlopCounterMode
+from torchmetrics import MeanMetric
 
 from core.errors import UserError
-from core.run_plan import RunPlan
-from models.parallelize import clip_grad_norm_
+from core.run_plan import RunPlan, run_plan_of
+from core.seeding import DEFAULT_SEED
+from models.parallelize import TensorParallelPlan, build_network, clip_grad_norm_, repeated_blocks
 
 # FSDP2's compute dtype for each mixed precision; the sharded float32 master weights stay float32
 FSDP_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -39,7 +44,9 @@ SHAPE_HYPERPARAMETERS = ("model_name", "vocab_size", "num_classes", "in_channels
 class CohortModule(L.LightningModule):
     """The base of every model family. Subclasses call ``save_hyperparameters()`` with at least the optimizer fields
     read here (learning_rate, min_learning_rate_ratio, weight_decay, betas, warmup_steps, lr_decay_steps,
-    global_batch_size, reference_batch_size) and build ``self.model`` in ``configure_model``."""
+    global_batch_size, reference_batch_size) and give ``plain_network``, ``example_batch`` and ``batch_loss``;
+    Cohort builds ``self.model`` from them. A family that writes its own ``configure_model`` is refused under the
+    strategies that must shard or split its network (``app/preflight.py``)."""
 
     commands: ClassVar[tuple[str, ...]] = ("fit", "validate")  # the Lightning subcommands the family has steps for
 
@@ -48,6 +55,7 @@ class CohortModule(L.LightningModule):
         self.model: nn.Module | None = None  # the family's network, built by configure_model (sharded as the strategy says)
         self.pipeline: Any = None  # this rank's pipeline stages and their schedule (models/pipeline.py), if any
         self.run_plan: RunPlan | None = None  # handed over by the CLI before training
+        self.val_loss = MeanMetric()  # the default validation_step's, weighted by samples
 
     # ----- what a family provides -----
     def plain_network(self) -> nn.Module:
@@ -66,7 +74,23 @@ class CohortModule(L.LightningModule):
 
     def describe(self) -> str:
         """One line on the model for the start of a run: family, size and parameter count."""
-        raise NotImplementedError
+        return f"{type(self).__name__}: {self.num_parameters():,} parameters"
+
+    # ----- what a family may provide -----
+    def tensor_parallel_plan(self) -> TensorParallelPlan | None:
+        """Which Linear layers tensor parallelism splits, by module-name pattern (``models/parallelize.py``); None:
+        the family cannot run with tensor_parallel_size > 1 (the pre-flight checks refuse it)."""
+        return None
+
+    def blocks(self, network: nn.Module) -> list[nn.Module]:
+        """The network's repeated blocks: each is one FSDP2 unit, checkpointed and compiled on its own."""
+        return repeated_blocks(network)
+
+    def build_pipeline(self, plan: RunPlan) -> tuple[nn.Module, Any]:
+        """This rank's pipeline stages, as one module holding them under the unsplit network's names, and the
+        Pipeline that runs them; a family without a pipeline split leaves this out (the pre-flight checks refuse
+        pipeline_parallel_size > 1 for it)."""
+        raise UserError(f"{type(self).__name__} has no pipeline split: train it without pipeline stages")
 
     @classmethod
     def check_config(cls, model: Namespace, data: Namespace, plan: RunPlan) -> None:
@@ -74,6 +98,40 @@ class CohortModule(L.LightningModule):
         anything is built, and ``--print_config`` too)."""
 
     # ----- shared by every family -----
+    def configure_model(self) -> None:
+        """Build the family's network on the meta device, then parallelise, materialise and initialise it on this
+        rank's device (``build``); under PipelineParallelStrategy only this rank's stages (``build_pipeline``).
+        With no Trainer (``load_from_checkpoint`` in a plain Python process) it is built whole on the CPU."""
+        if self.model is not None:  # Lightning calls this once per fit/validate/...; build once
+            return
+        plan = run_plan_of(self) if self._trainer is not None else None
+        if plan is not None and plan.pipeline_parallel_size > 1:
+            self.model, self.pipeline = self.build_pipeline(plan)
+        else:
+            self.model = self.build()
+
+    def build(self, keep_stage: Callable[[nn.Module], None] | None = None) -> nn.Module:
+        """The family's network as this rank holds it: over the strategy's device mesh (FSDP2 on the data-parallel
+        ranks, the family's tensor-parallel plan on the tensor-parallel ones), with activation checkpointing and
+        compile where the family's hyperparameters ask, initialised from the run's seed. ``keep_stage`` keeps one
+        pipeline stage."""
+        trainer = self._trainer
+        precision = str(trainer.precision) if trainer is not None else "32-true"
+        return build_network(
+            self.plain_network, self.build_device(), self.seed, self.device_mesh,
+            tensor_parallel_plan=self.tensor_parallel_plan(), blocks=self.blocks,
+            activation_checkpointing=self.hparams.get("activation_checkpointing", False),
+            compile=self.hparams.get("compile", False),
+            param_dtype=fsdp_compute_dtype(precision, self.plain_network), keep_stage=keep_stage,
+        )
+
+    @property
+    def seed(self) -> int:
+        """The seed of the initial weights: the run's (seed_everything), else the family's own, else Cohort's."""
+        if self.run_plan is not None:
+            return self.run_plan.seed
+        return int(self.hparams.get("seed", DEFAULT_SEED))
+
     def build_device(self) -> torch.device:
         """Where configure_model builds the network: this rank's device; the CPU with no Trainer (load_from_checkpoint
         in a plain Python process) and under FSDP (1), which moves each unit to its GPU as it shards it."""
@@ -96,6 +154,28 @@ class CohortModule(L.LightningModule):
         """Parameters of the whole network, each shared one counted once, counted on the meta device."""
         with torch.device("meta"):
             return sum(parameter.numel() for parameter in self.plain_network().parameters())
+
+    def forward(self, *inputs: Any) -> Any:
+        return self.model(*inputs)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The family's loss of one micro-batch; logged (with the learning rate) once per optimizer step, at its last
+        micro-batch: a step's logged value is that one's anyway, and each self.log costs about a millisecond."""
+        loss = self.batch_loss(self.model, batch)
+        if run_plan_of(self).ends_optimizer_step(batch_idx):
+            self.log("train/loss", loss, prog_bar=True)
+            self.log("lr", self.lr_schedulers().get_last_lr()[0])
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        """The family's loss of one validation batch, weighted by its samples."""
+        samples = len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch)
+        self.val_loss.update(self.batch_loss(self.model, batch).float(), weight=samples)
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()  # a collective: the mean over every rank's samples
+        self.val_loss.reset()
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)  # already equal on every rank: no extra sync
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record the family, so that resuming a checkpoint with another family's config stops with one line."""
@@ -166,6 +246,18 @@ def optimizer_ranges(hparams: dict[str, Any]) -> dict[str, tuple[bool, str]]:
         "reference_batch_size": (hparams["reference_batch_size"] is None or hparams["reference_batch_size"] > 0,
                                  "> 0, or null"),
     }
+
+
+def fsdp_compute_dtype(precision: str, make_network: Callable[[], nn.Module]) -> torch.dtype | None:
+    """FSDP2's compute dtype under mixed precision; None for a network with batch norms, whose float32 running
+    statistics cannot meet half-precision weights (autocast then runs its convolutions in half precision, as under
+    DDP)."""
+    dtype = FSDP_PARAM_DTYPES.get(precision)
+    if dtype is None:
+        return None
+    with torch.device("meta"):
+        batch_norms = any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in make_network().modules())
+    return None if batch_norms else dtype
 
 
 def class_path_of(cls: type) -> str:

@@ -1,17 +1,20 @@
-"""Spreading a GPT or a BERT over devices, from outside the model, in torchtitan's order.
+"""Spreading any network over devices, from outside the model, in torchtitan's order.
 
-``build_gpt`` and ``build_bert`` create the model on the meta device (no memory, whatever its size); ``build_gpt``
-keeps only this rank's pipeline stage; ``parallelize_and_initialize`` then applies tensor parallelism, activation
-checkpointing, compile and FSDP2 in that order, materialises this rank's shards and initialises them. Both models
-keep their blocks in ``model.blocks`` and name their projections alike, so every step serves both. Each
-parameter's initial value is drawn whole from a generator seeded by (seed, parameter name) and each rank keeps its
-own slice, so one seed gives the same model under any strategy, world size and pipeline split.
+``build_network`` creates a family's network on the meta device (no memory, whatever its size), optionally keeps
+only one pipeline stage of it, then applies tensor parallelism (from the family's plan), activation checkpointing
+and compile (per repeated block), and FSDP2 (each repeated block one unit, the root the rest), materialises this
+rank's shards on its device and initialises them. The repeated blocks are found by ``repeated_blocks`` unless
+the family names them. Initial weights depend on the seed only, never on the layout: a network with
+``initial_std(name)`` (GPT, BERT) draws each parameter whole from a generator seeded by (seed, parameter name),
+any other network is built once on the CPU under the seed and each rank copies its slice, so one seed gives the
+same model under any strategy, world size and pipeline split.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from fnmatch import fnmatch
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -22,174 +25,87 @@ from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolic
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from core.errors import UserError
 from core.seeding import derive_seed
-from models.bert import BERT, BertConfig
-from models.gpt import GPT, GPTConfig
-from models.resnet import BasicBlock, ResNet, ResNetConfig
 
+# a family's tensor-parallel plan: module-name patterns ("blocks.*.attn.qkv") -> how that Linear is split.
+# "colwise": by output features (each rank a slice of the outputs), "rowwise": by input features (each rank a
+# partial sum, all-reduced); a colwise layer followed by a rowwise one needs one all-reduce forward and backward
+TensorParallelPlan = dict[str, Literal["colwise", "rowwise"]]
+TENSOR_PARALLEL_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 
 
-@dataclass(frozen=True)
-class StageSpan:
-    """One pipeline stage of a GPT: its index among ``num_stages`` and the blocks it runs. The first stage also
-    holds the embeddings, the last the final norm and the head."""
-
-    index: int
-    num_stages: int
-    layers: range
-
-    @property
-    def first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def last(self) -> bool:
-        return self.index == self.num_stages - 1
-
-
-def split_layers(n_layer: int, num_stages: int, layers: tuple[int, ...] | None = None) -> list[StageSpan]:
-    """The blocks of each stage: ``layers`` blocks each, in order, if given; else balanced over the stages by count,
-    where the embeddings and the head each count as one block (as torchtitan does): the first and last stages get
-    one block fewer than the middle ones when that evens out."""
-    if not 1 <= num_stages <= n_layer:
-        raise ValueError(f"{num_stages} pipeline stages for {n_layer} blocks: every stage needs at least one block")
-    if layers is not None:
-        if len(layers) != num_stages or sum(layers) != n_layer or min(layers) < 1:
-            raise ValueError(f"pipeline layers {list(layers)}: {num_stages} stages of at least one block, adding up "
-                             f"to {n_layer}")
-        starts = [sum(layers[:stage]) for stage in range(num_stages + 1)]
-        return [StageSpan(index, num_stages, range(start, end))
-                for index, (start, end) in enumerate(zip(starts, starts[1:]))]
-    units = n_layer + 2  # the embeddings, the blocks, the head
-    bounds = [round(stage * units / num_stages) for stage in range(num_stages + 1)]
-    # unit u is block u - 1; clamp so that the embeddings and the head take no block's place
-    layers = [range(max(start - 1, 0), min(end - 1, n_layer)) for start, end in zip(bounds, bounds[1:])]
-    if any(len(span) == 0 for span in layers):  # few blocks: the balance would leave a stage without one
-        per_stage, extra = divmod(n_layer, num_stages)
-        starts = [stage * per_stage + min(stage, extra) for stage in range(num_stages + 1)]
-        layers = [range(start, end) for start, end in zip(starts, starts[1:])]
-    return [StageSpan(index, num_stages, span) for index, span in enumerate(layers)]
-
-
-def keep_stage(model: GPT, stage: StageSpan) -> None:
-    """Remove what other stages hold. The last stage keeps the token embedding when it is not also the first: it
-    holds the head's tied weight, under the same name, so that checkpoints and optimizer states line up with
-    the unsplit model's (its gradient is summed with the first stage's, see models/pipeline.py)."""
-    for name in list(model.blocks):
-        if int(name) not in stage.layers:
-            del model.blocks[name]
-    if not stage.first:
-        model.wpe = None
-    if not stage.last:
-        model.ln_f = model.lm_head = None
-    if not (stage.first or stage.last):
-        model.wte = None
-
-
-def build_gpt(
-    config: GPTConfig,
+def build_network(
+    make_network: Callable[[], nn.Module],
     device: torch.device,
     seed: int,
     device_mesh: DeviceMesh | None = None,
+    tensor_parallel_plan: TensorParallelPlan | None = None,
+    blocks: Callable[[nn.Module], list[nn.Module]] | None = None,
     activation_checkpointing: bool = False,
     compile: bool = False,
     param_dtype: torch.dtype | None = None,
-    stage: StageSpan | None = None,
-) -> GPT:
-    """A GPT on ``device``, parallelised over ``device_mesh`` (dims "data_parallel" and "tensor_parallel") if
-    given, and initialised from ``seed``. ``param_dtype`` is FSDP2's compute dtype under mixed precision. With a
-    ``stage``, only that pipeline stage, its weights equal to the same weights of the whole model."""
+    keep_stage: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
+    """``make_network()`` on ``device``, parallelised over ``device_mesh`` (dims "data_parallel" and
+    "tensor_parallel") if given, and initialised from ``seed``. ``param_dtype`` is FSDP2's compute dtype under mixed
+    precision. ``keep_stage`` removes what other pipeline stages hold, so that only this rank's stage is built."""
     with torch.device("meta"):
-        model = GPT(config)
-    if stage is not None:
-        keep_stage(model, stage)
-    # a pipeline runs each stage's forward once per pipeline micro-batch: gathering the shards again each time
-    # would cost more than keeping them (torchtitan does the same)
-    parallelize_and_initialize(model, device, seed, device_mesh, activation_checkpointing, compile, param_dtype,
-                               reshard_after_forward=stage is None)
-    return model
-
-
-def build_bert(
-    config: BertConfig,
-    device: torch.device,
-    seed: int,
-    device_mesh: DeviceMesh | None = None,
-    activation_checkpointing: bool = False,
-    compile: bool = False,
-    param_dtype: torch.dtype | None = None,
-) -> BERT:
-    """A BERT on ``device``, parallelised over ``device_mesh`` (dims "data_parallel" and "tensor_parallel") if
-    given, and initialised from ``seed``, as ``build_gpt`` does a GPT. No pipeline parallelism."""
-    with torch.device("meta"):
-        model = BERT(config)
-    parallelize_and_initialize(model, device, seed, device_mesh, activation_checkpointing, compile, param_dtype)
-    return model
-
-
-def build_resnet(config: ResNetConfig, device: torch.device, seed: int, device_mesh: DeviceMesh | None = None) -> ResNet:
-    """A ResNet on ``device``, initialised from ``seed`` (drawn on the CPU, so every device and world size start
-    alike) and, with a ``device_mesh``, FSDP2-sharded one residual block per unit over its data-parallel dimension.
-    Tensor parallelism, activation checkpointing and pipeline stages are not for a network of a few million
-    parameters: ``ImageClassifier.check_config`` refuses them."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(seed, "resnet"))
-        model = ResNet(config).to(device)
-    if device_mesh is not None:
-        for block in [module for module in model.modules() if isinstance(module, BasicBlock)]:
-            fully_shard(block, mesh=device_mesh["data_parallel"])
-        fully_shard(model, mesh=device_mesh["data_parallel"])
-    return model
-
-
-def parallelize_and_initialize(
-    model: GPT | BERT,
-    device: torch.device,
-    seed: int,
-    device_mesh: DeviceMesh | None,
-    activation_checkpointing: bool,
-    compile: bool,
-    param_dtype: torch.dtype | None,
-    reshard_after_forward: bool = True,
-) -> None:
-    """Tensor parallelism, activation checkpointing, compile and FSDP2, in torchtitan's order, on a model built
-    on the meta device; then this rank's shards materialised on ``device`` and initialised from ``seed``."""
+        network = make_network()
+    if keep_stage is not None:
+        keep_stage(network)
     if device_mesh is not None and device_mesh["tensor_parallel"].size() > 1:
-        apply_tensor_parallel(model, device_mesh["tensor_parallel"])
+        apply_tensor_parallel(network, device_mesh["tensor_parallel"], tensor_parallel_plan)
+    block_list = (blocks or repeated_blocks)(network)
     if activation_checkpointing:
-        apply_activation_checkpointing(model)
+        block_list = apply_activation_checkpointing(network, block_list)
     if compile:
-        apply_compile(model)
+        apply_compile(block_list)
     if device_mesh is not None:
-        apply_fsdp(model, device_mesh["data_parallel"], param_dtype, reshard_after_forward)
-    materialize(model, device)
-    init_weights(model, seed)
+        # a pipeline runs each stage's forward once per pipeline micro-batch: gathering the shards again each time
+        # would cost more than keeping them (torchtitan does the same)
+        apply_fsdp(network, block_list, device_mesh["data_parallel"], param_dtype,
+                   reshard_after_forward=keep_stage is None)
+    materialize(network, device)
+    initialize(network, seed, make_network)
+    return network
 
 
-def merge_stages(stages: list[GPT]) -> GPT:
-    """One GPT holding the parts of this rank's stages (an interleaved schedule runs two), so that parameter
-    names, the state dict and the optimizer see the unsplit model's names. Only the stages run forward."""
-    with torch.device("meta"):
-        merged = GPT(stages[0].config)
-    merged.blocks = nn.ModuleDict({name: block for stage in stages for name, block in stage.blocks.items()})
-    for part in ("wte", "wpe", "ln_f", "lm_head"):
-        held = [getattr(stage, part) for stage in stages if getattr(stage, part) is not None]
-        setattr(merged, part, held[0] if held else None)
-    return merged
+def repeated_blocks(network: nn.Module) -> list[nn.Module]:
+    """The network's repeated layers: the children of its ModuleLists, ModuleDicts and Sequentials that hold one
+    class only (GPT's blocks, a BERT encoder's layers, a ResNet's residual blocks over its stages), of the class that
+    holds the most parameters. A family whose network is laid out otherwise names its blocks itself."""
+    by_class: dict[type, list[nn.Module]] = {}
+    for module in network.modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and len(module) > 0:
+            children = list(module.children())
+            if len({type(child) for child in children}) == 1 and not isinstance(children[0], nn.Sequential):
+                by_class.setdefault(type(children[0]), []).extend(children)
+    if not by_class:
+        return []
+    return max(by_class.values(), key=lambda blocks: sum(p.numel() for block in blocks for p in block.parameters()))
 
 
-def apply_tensor_parallel(model: GPT | BERT, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style: the first projection of attention and of the MLP split by output columns (whole heads,
-    thanks to GPT's head-interleaved qkv layout and BERT's separate query, key and value), the second by input
-    rows, so each block needs one all-reduce forward and one backward per sub-layer. Embeddings, norms and the
-    head stay replicated."""
-    check_tensor_parallel_size(model.config.n_head, tp_mesh.size())
-    attention_inputs = ("attn.query", "attn.key", "attn.value") if isinstance(model, BERT) else ("attn.qkv",)
-    plan = {**{name: ColwiseParallel() for name in attention_inputs}, "attn.proj": RowwiseParallel(),
-            "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
-    for block in model.blocks.values():
-        parallelize_module(block, tp_mesh, plan)
+def apply_tensor_parallel(network: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan | None) -> None:
+    """Split the Linear layers the plan names over the tensor-parallel ranks. Each must split evenly: a UserError
+    names the first that does not (its outputs for colwise, inputs for rowwise)."""
+    if not plan:
+        raise UserError(f"{type(network).__name__} has no tensor-parallel plan: use tensor_parallel_size 1")
+    size = tp_mesh.size()
+    matched = False
+    for name, module in network.named_modules():
+        style = next((style for pattern, style in plan.items() if fnmatch(name, pattern)), None)
+        if style is None:
+            continue
+        matched = True
+        features = module.out_features if style == "colwise" else module.in_features
+        if not isinstance(module, nn.Linear) or features % size != 0:
+            raise UserError(f"tensor_parallel_size={size} cannot split {name} ({style}, {features} features): choose "
+                            "a size that divides it")
+    if not matched:
+        raise UserError(f"the tensor-parallel plan {list(plan)} names no module of {type(network).__name__}")
+    parallelize_module(network, tp_mesh, {pattern: TENSOR_PARALLEL_STYLES[style]() for pattern, style in plan.items()})
 
 
 def check_tensor_parallel_size(n_head: int, tensor_parallel_size: int) -> None:
@@ -199,29 +115,36 @@ def check_tensor_parallel_size(n_head: int, tensor_parallel_size: int) -> None:
                          "heads: choose a size that does")
 
 
-def apply_activation_checkpointing(model: GPT | BERT) -> None:
-    """Keep only each block's input; recompute its activations in backward. The wrapper's state-dict hooks drop
-    its name from checkpoint keys, so checkpoints load with or without it."""
-    for name, block in model.blocks.items():
-        model.blocks[name] = checkpoint_wrapper(block)
+def apply_activation_checkpointing(network: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """Keep only each block's input; recompute its activations in backward. Returns the wrapped blocks, which
+    replace the blocks in their parents. The wrapper's state-dict hooks drop its name from checkpoint keys, so
+    checkpoints load with or without it."""
+    parents = {id(child): (parent, name) for parent in network.modules() for name, child in parent.named_children()}
+    wrapped = []
+    for block in blocks:
+        parent, name = parents[id(block)]
+        wrapper = checkpoint_wrapper(block)
+        setattr(parent, name, wrapper)
+        wrapped.append(wrapper)
+    return wrapped
 
 
-def apply_compile(model: GPT | BERT) -> None:
-    """Compile each block's forward (all blocks share one compiled graph). Replacing ``forward`` rather than
-    wrapping the module keeps parameter names unchanged and leaves FSDP's hooks outside the graph."""
-    for block in model.blocks.values():
+def apply_compile(blocks: list[nn.Module]) -> None:
+    """Compile each block's forward (blocks of one class share one compiled graph). Replacing ``forward`` rather
+    than wrapping the module keeps parameter names unchanged and leaves FSDP's hooks outside the graph."""
+    for block in blocks:
         block.forward = torch.compile(block.forward)  # type: ignore[method-assign]
 
 
-def apply_fsdp(model: GPT | BERT, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
-               reshard_after_forward: bool = True) -> None:
+def apply_fsdp(network: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
+               param_dtype: torch.dtype | None = None, reshard_after_forward: bool = True) -> None:
     """FSDP2: each block is one unit (gathered just before it runs, freed after unless ``reshard_after_forward``
-    is false); the root holds the embeddings, the final norm and the tied head. Gradients are reduced in float32
-    whatever the compute dtype."""
+    is false); the root holds the rest (embeddings, norms, a tied head). Gradients are reduced in float32 whatever
+    the compute dtype."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-    for block in model.blocks.values():
+    for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(network, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
@@ -235,8 +158,18 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         torch.__future__.set_swap_module_params_on_conversion(swap)
 
 
+def initialize(network: nn.Module, seed: int, make_network: Callable[[], nn.Module]) -> None:
+    """Initial weights that depend on the seed only: the network's ``initial_std`` where it has one (drawn
+    parameter by parameter, so a model of any size costs one parameter's memory), else ``make_network()`` built
+    on the CPU under the seed, its parameters and buffers copied (each rank its slice)."""
+    if hasattr(network, "initial_std"):
+        init_weights(network, seed)
+    else:
+        copy_reference_weights(network, seed, make_network)
+
+
 @torch.no_grad()
-def init_weights(model: GPT | BERT, seed: int) -> None:
+def init_weights(model: nn.Module, seed: int) -> None:
     """The model's own initialisation (``GPT.initial_std``, ``BERT.initial_std``), depending on the seed and the
     parameter names only."""
     for raw_name, param in model.named_parameters():
@@ -249,6 +182,19 @@ def init_weights(model: GPT | BERT, seed: int) -> None:
         generator = torch.Generator(device=local.device).manual_seed(derive_seed(seed, name))
         full = torch.empty(param.shape, device=local.device).normal_(0.0, std, generator=generator)
         local.copy_(local_slice(full, param))
+
+
+@torch.no_grad()
+def copy_reference_weights(network: nn.Module, seed: int, make_network: Callable[[], nn.Module]) -> None:
+    """Build the whole network on the CPU under ``seed`` (its modules' own initialisation) and copy every parameter
+    and buffer into ``network``, each rank its own slice."""
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.manual_seed(derive_seed(seed, "initial weights"))
+        reference = make_network().state_dict()
+    for raw_name, tensor in [*network.named_parameters(), *network.named_buffers()]:
+        name = raw_name.replace(CHECKPOINT_WRAPPER_PREFIX, "")
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local.copy_(local_slice(reference[name].to(local.device), tensor))
 
 
 def local_slice(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:

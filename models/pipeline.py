@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,9 +26,78 @@ from torch.distributed.tensor import DTensor
 
 from core.tokens import IGNORE_INDEX
 from models.gpt import GPT
-from models.parallelize import StageSpan, split_layers
 
 SCHEDULES: dict[str, type] = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
+
+
+@dataclass(frozen=True)
+class StageSpan:
+    """One pipeline stage of a GPT: its index among ``num_stages`` and the blocks it runs. The first stage also
+    holds the embeddings, the last the final norm and the head."""
+
+    index: int
+    num_stages: int
+    layers: range
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+def split_layers(n_layer: int, num_stages: int, layers: tuple[int, ...] | None = None) -> list[StageSpan]:
+    """The blocks of each stage: ``layers`` blocks each, in order, if given; else balanced over the stages by count,
+    where the embeddings and the head each count as one block (as torchtitan does): the first and last stages get
+    one block fewer than the middle ones when that evens out."""
+    if not 1 <= num_stages <= n_layer:
+        raise ValueError(f"{num_stages} pipeline stages for {n_layer} blocks: every stage needs at least one block")
+    if layers is not None:
+        if len(layers) != num_stages or sum(layers) != n_layer or min(layers) < 1:
+            raise ValueError(f"pipeline layers {list(layers)}: {num_stages} stages of at least one block, adding up "
+                             f"to {n_layer}")
+        starts = [sum(layers[:stage]) for stage in range(num_stages + 1)]
+        return [StageSpan(index, num_stages, range(start, end))
+                for index, (start, end) in enumerate(zip(starts, starts[1:]))]
+    units = n_layer + 2  # the embeddings, the blocks, the head
+    bounds = [round(stage * units / num_stages) for stage in range(num_stages + 1)]
+    # unit u is block u - 1; clamp so that the embeddings and the head take no block's place
+    layers = [range(max(start - 1, 0), min(end - 1, n_layer)) for start, end in zip(bounds, bounds[1:])]
+    if any(len(span) == 0 for span in layers):  # few blocks: the balance would leave a stage without one
+        per_stage, extra = divmod(n_layer, num_stages)
+        starts = [stage * per_stage + min(stage, extra) for stage in range(num_stages + 1)]
+        layers = [range(start, end) for start, end in zip(starts, starts[1:])]
+    return [StageSpan(index, num_stages, span) for index, span in enumerate(layers)]
+
+
+def keep_stage(model: GPT, stage: StageSpan) -> None:
+    """Remove what other stages hold. The last stage keeps the token embedding when it is not also the first: it
+    holds the head's tied weight, under the same name, so that checkpoints and optimizer states line up with
+    the unsplit model's (its gradient is summed with the first stage's, see models/pipeline.py)."""
+    for name in list(model.blocks):
+        if int(name) not in stage.layers:
+            del model.blocks[name]
+    if not stage.first:
+        model.wpe = None
+    if not stage.last:
+        model.ln_f = model.lm_head = None
+    if not (stage.first or stage.last):
+        model.wte = None
+
+
+def merge_stages(stages: list[GPT]) -> GPT:
+    """One GPT holding the parts of this rank's stages (an interleaved schedule runs two), so that parameter
+    names, the state dict and the optimizer see the unsplit model's names. Only the stages run forward."""
+    with torch.device("meta"):
+        merged = GPT(stages[0].config)
+    merged.blocks = nn.ModuleDict({name: block for stage in stages for name, block in stage.blocks.items()})
+    for part in ("wte", "wpe", "ln_f", "lm_head"):
+        held = [getattr(stage, part) for stage in stages if getattr(stage, part) is not None]
+        setattr(merged, part, held[0] if held else None)
+    return merged
+
 
 
 def rank_stages(n_layer: int, mesh: DeviceMesh, stages_per_rank: int,

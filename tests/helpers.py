@@ -473,8 +473,9 @@ class PerturbWeights(Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
-            with torch.no_grad():
-                next(pl_module.parameters()).view(-1)[0] += 1e-3
+            param = next(pl_module.parameters())
+            with torch.no_grad():  # this rank's copy (its shard, if sharded), no collective
+                (param.to_local() if isinstance(param, DTensor) else param).view(-1)[0] += 1e-3
 
 
 class PoisonWeightsBeforeCheckpoint(Callback):

@@ -1,4 +1,4 @@
-"""The BERT module (sizes, shapes, padding, weight tying, initialisation), build_bert in one process, and the
+"""The BERT module (sizes, shapes, padding, weight tying, initialisation), built by Cohort in one process, and the
 masked-LM corruption (proportions, special tokens, the generator) with its config checks."""
 
 from __future__ import annotations
@@ -10,9 +10,14 @@ from core.errors import UserError
 from core.tokens import BYTE_BERT_VOCAB_SIZE, BYTE_SPECIAL_TOKENS, IGNORE_INDEX
 from models.bert import BERT, BERT_CONFIGS, BertConfig, bert_config
 from models.masking import check_special_tokens, mask_tokens
-from models.parallelize import build_bert, init_weights
+from models.parallelize import build_network, init_weights
 
 TINY = BERT_CONFIGS["bert-tiny"]
+
+
+def build_bert(config: BertConfig, device: torch.device, seed: int, **options: object) -> BERT:
+    """A BERT as Cohort builds it (on the meta device, then materialised and initialised), in this process."""
+    return build_network(lambda: BERT(config), device, seed, **options)
 
 
 def masked_lm_parameters(config: BertConfig) -> int:

@@ -17,7 +17,7 @@ from app.checkpoints import optimizer_state_by_name, optimizer_state_by_position
 from models.gpt import gpt_config
 from models.language_model import GPTLanguageModel
 from models.module import weight_decay_groups
-from models.parallelize import build_gpt
+from models.language_model import build_gpt
 from tests.helpers import DDP_2, QUIET, fit, one_line_error, run_cohort
 
 

@@ -142,10 +142,12 @@ def test_the_same_seed_reproduces_a_digits_run_and_a_resume_continues_it_bitwise
     ([*BERT, "--model.model_name", "bert-huge"], "unknown model.model_name 'bert-huge'"),
     ([*BERT, "--data.sequence_length", "256"], "data.sequence_length=256 exceeds the 128 positions"),
     ([*DIGITS, "--model.model_name", "resnet-1000"], "unknown model.model_name 'resnet-1000'"),
-    ([*DIGITS, "-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")], "the image classifier ('resnet-small') is data "
-                                                                      "parallel only"),
+    ([*DIGITS, "-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")], "ImageClassifier has no pipeline split"),
+    ([*DIGITS, *MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
+      "--trainer.strategy.init_args.tensor_parallel_size", "2"], "ImageClassifier has no tensor-parallel plan"),
     ([*DIGITS, "--data.data_dir", "no_such_folder"], "no_such_folder"),
 ], ids=["special-token-outside", "special-token-missing", "mask-probability", "bert-size", "bert-positions", "resnet-size", "resnet-pipeline",
+        "resnet-tensor-parallel",
         "image-folder"])
 def test_a_family_setting_that_cannot_work_is_one_line(flags: list[str], expected: str, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:

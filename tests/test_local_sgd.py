@@ -47,7 +47,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory, debug_run_args: list[str],
             return [*comparable_run_args, *DDP_2, *local_updates("local_sgd", 1)]
         if name == f"local_sgd H={EVERY}":  # 2 micro-batches per step and rank, to count them as the no_sync test does
             return [*debug_run_args, *DDP_2, *batch_sizes(8, 2), "--trainer.max_steps", str(STEPS),
-                    *local_updates("local_sgd", EVERY), "--monitor.replica_check_every_n_steps", "1",
+                    *local_updates("local_sgd", EVERY), "--replica_check.every_n_steps", "1",
                     "--trainer.callbacks+=tests.helpers.AllReduceLog",
                     f"--trainer.callbacks.out_dir={run_dir}", *record_weight_digests(run_dir)]
         if name == "diloco as averaging":  # outer lr 1 without momentum: the synced weights less the mean progress

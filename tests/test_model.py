@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.gpt import GPT, GPT_CONFIGS, gpt_config
-from models.parallelize import build_gpt
+from models.language_model import build_gpt
 
 
 def test_gpt2_has_exactly_124_439_808_parameters() -> None:

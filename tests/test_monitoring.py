@@ -176,7 +176,7 @@ def test_median_of_others_leaves_out_one_copy_of_each_value() -> None:
 
 @pytest.mark.slow
 def test_replica_check_names_the_rank_whose_weights_differ(tmp_path: Path, debug_run_args: list[str]) -> None:
-    result = monitored_fit(tmp_path, debug_run_args, "--monitor.replica_check_every_n_steps", "2",
+    result = monitored_fit(tmp_path, debug_run_args, "--replica_check.every_n_steps", "2",
                            "--trainer.callbacks+=tests.helpers.PerturbWeights",
                            "--trainer.callbacks.rank=1", "--trainer.callbacks.step=3")
     assert result.returncode != 0

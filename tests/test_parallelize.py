@@ -16,7 +16,8 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
 from models.gpt import GPT, GPT_CONFIGS, Block, gpt_config
-from models.parallelize import build_gpt, check_tensor_parallel_size, clip_grad_norm_
+from models.language_model import build_gpt
+from models.parallelize import check_tensor_parallel_size, clip_grad_norm_
 from tests.helpers import free_port
 
 CONFIG = GPT_CONFIGS["debug"]

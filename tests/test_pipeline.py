@@ -15,7 +15,8 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from core.errors import UserError
 from core.run_plan import RunPlan
 from models.gpt import GPT_CONFIGS
-from models.parallelize import build_gpt, split_layers
+from models.language_model import build_gpt
+from models.pipeline import split_layers
 from tests.helpers import (
     CLIP, CONFIG_DIR, MODEL_PARALLEL, QUIET, assert_one_line_error, assert_sharded_resume_after_sigkill_is_bitwise_exact,
     assert_weights_agree, fit, last_checkpoint, one_line_error, run_cohort, scalars, validate,
