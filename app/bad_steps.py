@@ -162,7 +162,7 @@ class BadStepGuard(Callback):
         last = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
         if not last:
             raise UserError(f"{what}, and no checkpoint was written yet to roll back to: lower "
-                            "checkpoint.every_n_train_steps or model.learning_rate, or set bad_steps.action skip")
+                            "checkpoint.every_n_train_steps or model.optimizer.learning_rate, or set bad_steps.action skip")
         target = os.path.realpath(last)
         self.rollbacks_to_target = self.rollbacks_to_target + 1 if target == self.rollback_target else 1
         self.rollback_target = target
@@ -216,7 +216,7 @@ def kept(trainer: L.Trainer) -> str:
     """Which checkpoint holds the newest good state, and what to do, for a message."""
     callback = trainer.checkpoint_callback
     if not isinstance(callback, RunCheckpoint) or not callback.last_model_path:
-        return "no checkpoint was written yet: lower model.learning_rate or set trainer.gradient_clip_val and start again"
+        return "no checkpoint was written yet: lower model.optimizer.learning_rate or set trainer.gradient_clip_val and start again"
     kept, resume = callback.kept_and_resume(trainer)
-    return (f"{kept}, the newest good checkpoint: lower model.learning_rate or set trainer.gradient_clip_val and "
+    return (f"{kept}, the newest good checkpoint: lower model.optimizer.learning_rate or set trainer.gradient_clip_val and "
             f"resume with {resume}")

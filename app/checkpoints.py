@@ -63,7 +63,7 @@ class RunCheckpoint(ModelCheckpoint):
             kept, resume = self.kept_and_resume(trainer)
             where = f"rank {trainer.global_rank}: {', '.join(poisoned[:3])}" if poisoned else "on another rank"
             raise UserError(f"step {trainer.global_step}: the weights or optimizer state hold NaN or inf ({where}), so "
-                            f"no checkpoint was written and {kept}: lower model.learning_rate or set "
+                            f"no checkpoint was written and {kept}: lower model.optimizer.learning_rate or set "
                             f"trainer.gradient_clip_val, then resume with {resume}")
         partial = Path(f"{filepath}.partial")
         if trainer.is_global_zero:

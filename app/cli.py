@@ -115,7 +115,6 @@ class CohortCLI(LightningCLI):
         # what the model must agree with the data on; a link whose two ends are not both in the chosen classes is
         # skipped, so each family takes the ones it has
         parser.link_arguments("data.init_args.vocab_size", "model.init_args.vocab_size")
-        parser.link_arguments("data.init_args.global_batch_size", "model.init_args.global_batch_size")
         parser.link_arguments("seed_everything", "model.init_args.seed")
         for derived in DERIVED_FROM_DATA:  # known once the datamodule has looked at its image folder
             parser.link_arguments(f"data.{derived}", f"model.init_args.{derived}", apply_on="instantiate")

@@ -46,7 +46,7 @@ def train(layout: str, steps: int, slow_factor: float, learning_rate: float, dat
     preset, slow_rank = LAYOUTS[layout]
     run_dir.mkdir(parents=True)
     command = [sys.executable, "-m", "app", "fit", "-c", str(REPO_ROOT / "configs/quickstart.yaml"), *preset,
-               "--data.data_dir", str(data_dir), "--model.learning_rate", str(learning_rate),
+               "--data.data_dir", str(data_dir), "--model.optimizer.learning_rate", str(learning_rate),
                "--trainer.max_steps", str(steps), "--val_every_n_steps", str(steps),
                "--trainer.log_every_n_steps", "10", "--trainer.enable_progress_bar", "false",
                "--trainer.callbacks+=tests.helpers.SlowRankByFactor", f"--trainer.callbacks.rank={slow_rank}",

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from models.gpt import GPT, gpt_config
-from models.module import weight_decay_groups
+from models.optimizer import weight_decay_groups
 from models.language_model import build_gpt
 from models.parallelize import clip_grad_norm_
 

@@ -104,7 +104,7 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
     from datamodules.samplers import GlobalBatchSampler
     from datamodules.token_files import TokenWindows
     from models.gpt import gpt_config
-    from models.module import warmup_cosine_schedule, weight_decay_groups
+    from models.optimizer import warmup_cosine_schedule, weight_decay_groups
     from models.language_model import build_gpt
 
     # what GPTLanguageModel.configure_model builds: the same weights from the same seed
@@ -156,8 +156,8 @@ def command(kind: str, args: argparse.Namespace, folder: Path) -> list[str]:
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
         "--trainer.log_every_n_steps", str(args.log_every_n_steps),  # TensorBoard logger stays on: it is the product
         "--checkpoint.every_n_train_steps", "1000000",  # only the final last.ckpt, after the timed steps
-        "--model.model_name", args.model, "--model.dropout", "0.0", "--model.learning_rate", str(LEARNING_RATE),
-        "--model.weight_decay", str(WEIGHT_DECAY), "--model.warmup_steps", str(LR_WARMUP_STEPS),
+        "--model.model_name", args.model, "--model.dropout", "0.0", "--model.optimizer.learning_rate", str(LEARNING_RATE),
+        "--model.optimizer.weight_decay", str(WEIGHT_DECAY), "--model.optimizer.warmup_steps", str(LR_WARMUP_STEPS),
         "--data.data_dir", args.data_dir, "--data.sequence_length", str(args.sequence_length),
         "--data.global_batch_size", str(args.global_batch_size), "--data.micro_batch_size", str(args.micro_batch_size),
         "--data.num_workers", "0", "--trainer.callbacks+=benchmarks.lightning_overhead.StepTimer",

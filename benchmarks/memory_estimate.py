@@ -48,7 +48,8 @@ from app.memory import MemoryEstimate, estimate_memory, module_step_loss
 from models.image_classifier import ImageClassifier
 from models.language_model import GPTLanguageModel
 from models.masked_language_model import BertMaskedLanguageModel
-from models.module import CohortModule, weight_decay_groups
+from models.module import CohortModule
+from models.optimizer import weight_decay_groups
 
 MIB = 2**20
 
@@ -165,7 +166,7 @@ def measure(row: Row, device_type: str) -> int:
 
     def train(spec: Model, module: CohortModule, network: torch.nn.Module, batch_size: int) -> None:
         """Two optimizer steps of ``row.accumulation`` micro-batches each."""
-        optimizer = torch.optim.AdamW(weight_decay_groups(module.model, module.hparams.weight_decay), lr=1e-4,
+        optimizer = torch.optim.AdamW(weight_decay_groups(module.model, module.optimizer_settings.weight_decay), lr=1e-4,
                                       fused=True)
         for _ in range(2):
             for _ in range(row.accumulation):

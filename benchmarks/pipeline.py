@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from models.gpt import GPTConfig, gpt_config
-from models.module import weight_decay_groups
+from models.optimizer import weight_decay_groups
 from models.language_model import build_gpt
 from models.pipeline import Pipeline, rank_stages, theoretical_bubble
 

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from models.gpt import gpt_config
-from models.module import weight_decay_groups
+from models.optimizer import weight_decay_groups
 from models.language_model import build_gpt
 
 

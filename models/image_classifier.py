@@ -14,12 +14,18 @@ from jsonargparse import Namespace
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from core.errors import UserError, check_ranges
+from core.errors import UserError
 from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
-from models.module import CohortModule, optimizer_ranges
+from models.module import CohortModule
+from models.optimizer import OptimizerSettings
 from models.resnet import ResNet, resnet_config
+
+
+# a short warmup and a high peak for a network with batch norms, decayed to 0
+RESNET_OPTIMIZER = OptimizerSettings(learning_rate=1e-2, min_learning_rate_ratio=0.0, weight_decay=5e-4,
+                                     betas=(0.9, 0.999), warmup_steps=10)
 
 
 class ImageClassifier(CohortModule):
@@ -29,14 +35,7 @@ class ImageClassifier(CohortModule):
         num_classes: int | None = None,
         in_channels: int | None = None,
         image_shape: tuple[int, int] | None = None,
-        learning_rate: float = 1e-2,
-        min_learning_rate_ratio: float = 0.0,
-        weight_decay: float = 5e-4,
-        betas: tuple[float, float] = (0.9, 0.999),
-        warmup_steps: int = 10,
-        lr_decay_steps: int | None = None,
-        global_batch_size: int | None = None,
-        reference_batch_size: int | None = None,
+        optimizer: OptimizerSettings = RESNET_OPTIMIZER,
         seed: int = DEFAULT_SEED,
     ) -> None:
         """
@@ -45,19 +44,11 @@ class ImageClassifier(CohortModule):
             num_classes: the data's classes; the CLI links it from the datamodule.
             in_channels: 1 for grayscale, 3 for colour; the CLI links it from the datamodule.
             image_shape: (height, width) of the images; the CLI links it from the datamodule.
-            learning_rate: peak learning rate (before batch-size scaling).
-            min_learning_rate_ratio: the cosine decay ends at learning_rate times this.
-            weight_decay: AdamW decay on convolution kernels and the head's matrix; never on norms or biases.
-            betas: AdamW betas.
-            warmup_steps: optimizer steps of linear warmup from 0.
-            lr_decay_steps: optimizer steps until the decay ends; None means the whole run.
-            global_batch_size: samples per optimizer step; the CLI links it to data.global_batch_size.
-            reference_batch_size: if set, learning_rate is scaled by global_batch_size / reference_batch_size.
+            optimizer: AdamW and its schedule (models/optimizer.py); a field given keeps the others' defaults.
             seed: the initial weights follow from it; the CLI links it to seed_everything.
         """
-        super().__init__()
+        super().__init__(optimizer)
         self.save_hyperparameters()
-        check_ranges("model", optimizer_ranges(locals()), locals())
         if num_classes is None or in_channels is None or image_shape is None:
             raise UserError("model.num_classes, model.in_channels and model.image_shape come from the image "
                             "datamodule: set data.class_path to datamodules.images.ImageClassificationDataModule")

@@ -18,7 +18,8 @@ from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
 from models.gpt import GPT, GPTConfig, gpt_config, training_flops_per_token
-from models.module import CohortModule, optimizer_ranges
+from models.module import CohortModule
+from models.optimizer import OptimizerSettings
 from models.parallelize import TensorParallelPlan, build_network, check_tensor_parallel_size
 from models.pipeline import Pipeline, StageSpan, keep_stage, merge_stages, rank_stages
 
@@ -36,19 +37,12 @@ class GPTLanguageModel(CohortModule):
         model_name: str = "small",
         vocab_size: int | None = None,
         dropout: float = 0.0,
-        learning_rate: float = 6e-4,
-        min_learning_rate_ratio: float = 0.1,
-        weight_decay: float = 0.1,
-        betas: tuple[float, float] = (0.9, 0.95),
-        warmup_steps: int = 100,
-        lr_decay_steps: int | None = None,
-        global_batch_size: int | None = None,
-        reference_batch_size: int | None = None,
         max_new_tokens: int = 200,
         temperature: float = 0.8,
         top_k: int | None = 40,
         activation_checkpointing: bool = False,
         compile: bool = False,
+        optimizer: OptimizerSettings = OptimizerSettings(),
         seed: int = DEFAULT_SEED,
     ) -> None:
         """
@@ -56,25 +50,17 @@ class GPTLanguageModel(CohortModule):
             model_name: a size from models.gpt.GPT_CONFIGS ("debug", "small", "gpt2", ...).
             vocab_size: overrides the size's vocabulary; the CLI links it to data.vocab_size.
             dropout: dropout probability in embeddings, attention and MLP.
-            learning_rate: peak learning rate (before batch-size scaling).
-            min_learning_rate_ratio: the cosine decay ends at learning_rate times this.
-            weight_decay: AdamW decay on matrices; biases, norms and embeddings are never decayed.
-            betas: AdamW betas.
-            warmup_steps: optimizer steps of linear warmup from 0.
-            lr_decay_steps: optimizer steps until the decay ends; None means the whole run.
-            global_batch_size: samples per optimizer step; the CLI links it to data.global_batch_size.
-            reference_batch_size: if set, learning_rate is scaled by global_batch_size / reference_batch_size.
             max_new_tokens: tokens generated per prompt by ``predict``.
             temperature: sampling temperature for generation.
             top_k: sample among the k most likely tokens only; None samples from all.
             activation_checkpointing: recompute each block's activations in backward instead of keeping them.
             compile: torch.compile each Transformer block.
+            optimizer: AdamW and its schedule (models/optimizer.py); a field given keeps the others' defaults.
             seed: the initial weights and generation's sampling follow from it; the CLI links it to seed_everything.
         """
-        super().__init__()
+        super().__init__(optimizer)
         self.save_hyperparameters()
         check_ranges("model", {
-            **optimizer_ranges(locals()),
             "dropout": (0 <= dropout < 1, "in [0, 1)"),
             "max_new_tokens": (max_new_tokens >= 0, ">= 0"),
             "temperature": (temperature > 0, "> 0"),

@@ -22,10 +22,14 @@ from core.seeding import DEFAULT_SEED, derive_seed
 from core.tokens import BYTE_BERT_VOCAB_SIZE, BYTE_SPECIAL_TOKENS, IGNORE_INDEX, SpecialTokens
 from models.bert import BERT, bert_config
 from models.masking import check_special_tokens, mask_tokens
-from models.module import CohortModule, optimizer_ranges
+from models.module import CohortModule
+from models.optimizer import OptimizerSettings
 from models.parallelize import TensorParallelPlan, check_tensor_parallel_size
 
 BYTE_VOCAB_SIZE = 256  # the embedded corpus, and any data prepared byte by byte
+# BERT's: 1e-4 at batch 256, warmed up over 10,000 steps, decayed to 0, weight decay 0.01, Adam's betas
+BERT_OPTIMIZER = OptimizerSettings(learning_rate=1e-4, min_learning_rate_ratio=0.0, weight_decay=0.01,
+                                   betas=(0.9, 0.999), warmup_steps=10_000)
 # as GPT's (models/language_model.py): query, key and value by output columns (whole heads), the attention output
 # and the second feed-forward layer by input rows; embeddings, norms and the MLM head stay replicated
 BERT_TENSOR_PARALLEL_PLAN: TensorParallelPlan = {
@@ -44,16 +48,9 @@ class BertMaskedLanguageModel(CohortModule):
         pad_token_id: int | None = None,
         mask_probability: float = 0.15,
         dropout: float = 0.1,
-        learning_rate: float = 1e-4,
-        min_learning_rate_ratio: float = 0.0,
-        weight_decay: float = 0.01,
-        betas: tuple[float, float] = (0.9, 0.999),
-        warmup_steps: int = 10_000,
-        lr_decay_steps: int | None = None,
-        global_batch_size: int | None = None,
-        reference_batch_size: int | None = None,
         activation_checkpointing: bool = False,
         compile: bool = False,
+        optimizer: OptimizerSettings = BERT_OPTIMIZER,
         seed: int = DEFAULT_SEED,
     ) -> None:
         """
@@ -65,21 +62,14 @@ class BertMaskedLanguageModel(CohortModule):
                 vocabulary; leave them null for byte-level data.
             mask_probability: the share of (non-special) tokens chosen for prediction; BERT's is 0.15.
             dropout: dropout probability in embeddings, attention and feed-forward layers (BERT: 0.1).
-            learning_rate: peak learning rate (BERT: 1e-4 at batch 256).
-            min_learning_rate_ratio: the decay ends at learning_rate times this (BERT decays to 0).
-            weight_decay: AdamW decay on matrices; biases, norms and embeddings are never decayed (BERT: 0.01).
-            betas: AdamW betas (BERT: 0.9, 0.999).
-            warmup_steps: optimizer steps of linear warmup from 0 (BERT: 10,000).
-            lr_decay_steps: optimizer steps until the decay ends; None means the whole run.
-            global_batch_size: samples per optimizer step; the CLI links it to data.global_batch_size.
-            reference_batch_size: if set, learning_rate is scaled by global_batch_size / reference_batch_size.
             activation_checkpointing: recompute each block's activations in backward instead of keeping them.
             compile: torch.compile each block.
+            optimizer: AdamW and its schedule (models/optimizer.py); a field given keeps the others' defaults.
             seed: initial weights and masks follow from it; the CLI links it to seed_everything.
         """
-        super().__init__()
+        super().__init__(optimizer)
         self.save_hyperparameters()
-        check_ranges("model", {**optimizer_ranges(locals()), "dropout": (0 <= dropout < 1, "in [0, 1)")}, locals())
+        check_ranges("model", {"dropout": (0 <= dropout < 1, "in [0, 1)")}, locals())
         self.special_tokens, model_vocab_size = special_tokens(vocab_size, mask_token_id, cls_token_id, sep_token_id,
                                                                pad_token_id, mask_probability)
         self.config = bert_config(model_name, vocab_size=model_vocab_size, dropout=dropout)

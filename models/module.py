@@ -13,8 +13,9 @@ names a family.
 
 from __future__ import annotations
 
-import math
+import inspect
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any, ClassVar
 
 import lightning as L
@@ -23,13 +24,13 @@ import torch.nn as nn
 from jsonargparse import Namespace
 from lightning.pytorch.plugins import Precision
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.flop_counter import FlopCounterMode
 from torchmetrics import MeanMetric
 
 from core.errors import UserError
 from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED
+from models.optimizer import OptimizerSettings
 from models.parallelize import TensorParallelPlan, build_network, clip_grad_norm_, repeated_blocks
 
 # FSDP2's compute dtype for each mixed precision; the sharded float32 master weights stay float32
@@ -42,16 +43,21 @@ SHAPE_HYPERPARAMETERS = ("model_name", "vocab_size", "num_classes", "in_channels
 
 
 class CohortModule(L.LightningModule):
-    """The base of every model family. Subclasses call ``save_hyperparameters()`` with at least the optimizer fields
-    read here (learning_rate, min_learning_rate_ratio, weight_decay, betas, warmup_steps, lr_decay_steps,
-    global_batch_size, reference_batch_size) and give ``plain_network``, ``example_batch`` and ``batch_loss``;
+    """The base of every model family. Subclasses give ``plain_network``, ``example_batch`` and ``batch_loss``, and
+    pass their ``optimizer`` settings on (a family with hyperparameters of its own calls ``save_hyperparameters()``);
     Cohort builds ``self.model`` from them. A family that writes its own ``configure_model`` is refused under the
     strategies that must shard or split its network (``app/preflight.py``)."""
 
     commands: ClassVar[tuple[str, ...]] = ("fit", "validate")  # the Lightning subcommands the family has steps for
 
-    def __init__(self) -> None:
+    def __init__(self, optimizer: OptimizerSettings = OptimizerSettings()) -> None:
+        """
+        Args:
+            optimizer: AdamW and its learning-rate schedule (models/optimizer.py); each family has its defaults.
+        """
         super().__init__()
+        # a checkpoint's hyperparameters hold the settings as a plain dict (checkpoints are data, never objects)
+        self.optimizer_settings = optimizer if isinstance(optimizer, OptimizerSettings) else OptimizerSettings(**optimizer)
         self.model: nn.Module | None = None  # the family's network, built by configure_model (sharded as the strategy says)
         self.pipeline: Any = None  # this rank's pipeline stages and their schedule (models/pipeline.py), if any
         self.run_plan: RunPlan | None = None  # handed over by the CLI before training
@@ -181,15 +187,13 @@ class CohortModule(L.LightningModule):
         """Record the family, so that resuming a checkpoint with another family's config stops with one line."""
         checkpoint["cohort_model_class"] = class_path_of(type(self))
 
-    @property
-    def effective_learning_rate(self) -> float:
-        """The peak learning rate after the linear scaling rule, if one is configured."""
-        lr = self.hparams.learning_rate
-        if self.hparams.reference_batch_size is not None:
-            if self.hparams.global_batch_size is None:
-                raise UserError("model.reference_batch_size needs model.global_batch_size (linked from data)")
-            lr *= self.hparams.global_batch_size / self.hparams.reference_batch_size
-        return lr
+    def save_hyperparameters(self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True) -> None:
+        """Lightning's, with the optimizer settings stored as a plain dict: checkpoints are read as data
+        (weights_only), and TensorBoard's HPARAMS tab shows each field (optimizer/learning_rate, ...)."""
+        super().save_hyperparameters(*args, ignore=ignore, frame=frame or inspect.currentframe().f_back, logger=logger)
+        for hparams in (self._hparams, self._hparams_initial):
+            if isinstance(hparams.get("optimizer"), OptimizerSettings):
+                hparams["optimizer"] = asdict(hparams["optimizer"])
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
@@ -212,40 +216,9 @@ class CohortModule(L.LightningModule):
         self.log("train/grad_norm", norm)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW (decay on weight matrices only) with linear warmup and cosine decay, stepped per optimizer step."""
-        lr = self.effective_learning_rate
-        if self.hparams.reference_batch_size is not None:
-            rank_zero_info(
-                f"learning rate {lr:.3g} = {self.hparams.learning_rate:.3g} x global batch "
-                f"{self.hparams.global_batch_size} / reference batch {self.hparams.reference_batch_size}"
-            )
-        optimizer = torch.optim.AdamW(
-            weight_decay_groups(self.model, self.hparams.weight_decay),
-            lr=lr,
-            betas=self.hparams.betas,
-            # one kernel for all parameters where torch has it; under fp16's grad scaler too, since
-            # configure_gradient_clipping unscales the gradients a fused optimizer would otherwise unscale itself
-            fused=self.device.type in ("cuda", "cpu"),
-        )
-        decay_steps = self.hparams.lr_decay_steps or self.trainer.estimated_stepping_batches
-        schedule = warmup_cosine_schedule(self.hparams.warmup_steps, int(decay_steps), self.hparams.min_learning_rate_ratio)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def optimizer_ranges(hparams: dict[str, Any]) -> dict[str, tuple[bool, str]]:
-    """The range checks of the optimizer fields every family has, for core.errors.check_ranges."""
-    return {
-        "learning_rate": (hparams["learning_rate"] > 0, "> 0"),
-        "min_learning_rate_ratio": (0 <= hparams["min_learning_rate_ratio"] <= 1, "in [0, 1]"),
-        "weight_decay": (hparams["weight_decay"] >= 0, ">= 0"),
-        "betas": (len(hparams["betas"]) == 2 and all(0 <= beta < 1 for beta in hparams["betas"]), "two numbers in [0, 1)"),
-        "warmup_steps": (hparams["warmup_steps"] >= 0, ">= 0"),
-        "lr_decay_steps": (hparams["lr_decay_steps"] is None or hparams["lr_decay_steps"] > 0,
-                           "> 0, or null for the whole run"),
-        "reference_batch_size": (hparams["reference_batch_size"] is None or hparams["reference_batch_size"] > 0,
-                                 "> 0, or null"),
-    }
+        """The family's optimizer settings over its network (models/optimizer.py)."""
+        return self.optimizer_settings.configure(self.model, self.device, run_plan_of(self).global_batch_size,
+                                                 self.trainer.estimated_stepping_batches)
 
 
 def fsdp_compute_dtype(precision: str, make_network: Callable[[], nn.Module]) -> torch.dtype | None:
@@ -272,27 +245,3 @@ def unscale_gradients(precision_plugin: Precision, optimizer: torch.optim.Optimi
     scaler = getattr(precision_plugin, "scaler", None)  # MixedPrecision and FSDPPrecision under 16-mixed
     if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
         scaler.unscale_(optimizer)
-
-
-def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay only the weight matrices and convolution kernels: never biases, norms or embeddings (a tied head
-    included), as the GPT-2 and BERT recipes do."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
-    no_decay = [p for p in params if p.dim() < 2 or id(p) in embeddings]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def warmup_cosine_schedule(warmup_steps: int, decay_steps: int, min_ratio: float) -> Callable[[int], float]:
-    """LR multiplier for step s: linear warmup to 1, cosine down to ``min_ratio`` at ``decay_steps``, then flat."""
-
-    def multiplier(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if step >= decay_steps:
-            return min_ratio
-        progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
-        return min_ratio + 0.5 * (1.0 - min_ratio) * (1.0 + math.cos(math.pi * progress))
-
-    return multiplier

@@ -25,7 +25,7 @@ def debug_run_args(byte_corpus: Path) -> list[str]:
         "--trainer.log_every_n_steps", "1",
         "--trainer.limit_val_batches", "4",
         "--model.model_name", "debug",
-        "--model.warmup_steps", "2",
+        "--model.optimizer.warmup_steps", "2",
         "--data.data_dir", str(byte_corpus),
         "--data.sequence_length", "64",
     ]

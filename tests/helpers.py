@@ -61,7 +61,7 @@ def batch_sizes(global_batch_size: int, micro_batch_size: int) -> list[str]:
 # Added to debug_run_args: 4 optimizer steps, validated after each on the same 16 windows at any world size, with
 # gradient clipping that bites; the schedule does not depend on max_steps, so a run resumed to more steps continues
 # the same schedule. Runs of it are compared across strategies, devices, world sizes and resumes.
-COMPARABLE_RUN = ["--model.lr_decay_steps", "8", *batch_sizes(8, 4), "--data.val_samples", "16",
+COMPARABLE_RUN = ["--model.optimizer.lr_decay_steps", "8", *batch_sizes(8, 4), "--data.val_samples", "16",
                   "--trainer.limit_val_batches", "1.0", "--val_every_n_steps", "1", "--trainer.max_steps", "4",
                   "--trainer.gradient_clip_val", str(CLIP)]
 
@@ -171,7 +171,7 @@ def fit_killed_mid_accumulation(run_dir: Path, args: list[str]) -> None:
 def shrunk(byte_corpus: Path, steps: int) -> list[str]:
     """Any recipe made small: the debug model on the test corpus, logging every step, validated once at the end."""
     return ["--model.model_name", "debug", "--data.sequence_length", "64", "--data.vocab_size", "256",
-            "--data.data_dir", str(byte_corpus), "--data.num_workers", "0", "--model.warmup_steps", "2",
+            "--data.data_dir", str(byte_corpus), "--data.num_workers", "0", "--model.optimizer.warmup_steps", "2",
             "--model.max_new_tokens", "5", "--trainer.max_steps", str(steps), "--val_every_n_steps", str(steps),
             "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "1"]
 
@@ -245,11 +245,11 @@ def adam_weight_drift(checkpoint: dict[str, Any]) -> float:
     decides, and Adam normalises it into a full step: per step the two runs can move it by up to
     2 x lr x adam_step_bound in opposite directions, and weight decay only shrinks a difference. Bounded with the
     peak learning rate over every step the checkpoint has taken."""
-    hyperparameters = checkpoint["hyper_parameters"]
-    peak = hyperparameters["learning_rate"]
-    if hyperparameters.get("reference_batch_size"):
-        peak *= hyperparameters["global_batch_size"] / hyperparameters["reference_batch_size"]
-    betas = tuple(hyperparameters["betas"])
+    optimizer = checkpoint["hyper_parameters"]["optimizer"]
+    peak = optimizer["learning_rate"]
+    if optimizer["reference_batch_size"]:
+        peak *= checkpoint["datamodule_hyper_parameters"]["global_batch_size"] / optimizer["reference_batch_size"]
+    betas = tuple(optimizer["betas"])
     return sum(2 * peak * adam_step_bound(betas, step) for step in range(1, checkpoint["global_step"] + 1))
 
 

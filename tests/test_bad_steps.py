@@ -100,7 +100,7 @@ def test_a_diverging_run_stops_at_its_first_nan(debug_run_args: list[str], tmp_p
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The quickstart's mistake, made small: a learning rate of 50 without clipping."""
     monkeypatch.chdir(tmp_path)
-    message = one_line_error(["fit", *debug_run_args, *QUIET, "--model.learning_rate", "50",
+    message = one_line_error(["fit", *debug_run_args, *QUIET, "--model.optimizer.learning_rate", "50",
                               "--trainer.gradient_clip_val", "null", "--trainer.max_steps", "30"], monkeypatch)
     assert "the loss or gradients were NaN or inf on rank 0 of 1" in message and "no checkpoint was written" in message
 

@@ -16,7 +16,7 @@ import torch
 from app.checkpoints import optimizer_state_by_name, optimizer_state_by_position, parameter_names
 from models.gpt import gpt_config
 from models.language_model import GPTLanguageModel
-from models.module import weight_decay_groups
+from models.optimizer import weight_decay_groups
 from models.language_model import build_gpt
 from tests.helpers import DDP_2, QUIET, fit, one_line_error, run_cohort
 

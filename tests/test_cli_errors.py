@@ -151,14 +151,14 @@ def test_checkpoint_of_another_model(tmp_path: Path, debug_run_args: list[str], 
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--model.learning_rate", "0"], "model.learning_rate=0.0 must be > 0"),
-    (["--model.min_learning_rate_ratio", "1.5"], "model.min_learning_rate_ratio=1.5 must be in [0, 1]"),
+    (["--model.optimizer.learning_rate", "0"], "model.optimizer.learning_rate=0.0 must be > 0"),
+    (["--model.optimizer.min_learning_rate_ratio", "1.5"], "model.optimizer.min_learning_rate_ratio=1.5 must be in [0, 1]"),
     (["--model.dropout", "1.0"], "model.dropout=1.0 must be in [0, 1)"),
     (["--model.dropout", "-0.1"], "model.dropout=-0.1 must be in [0, 1)"),
-    (["--model.weight_decay", "-0.1"], "model.weight_decay=-0.1 must be >= 0"),
-    (["--model.betas", "[0.9, 1.0]"], "model.betas=(0.9, 1.0) must be two numbers in [0, 1)"),
-    (["--model.warmup_steps", "-1"], "model.warmup_steps=-1 must be >= 0"),
-    (["--model.lr_decay_steps", "0"], "model.lr_decay_steps=0 must be > 0, or null for the whole run"),
+    (["--model.optimizer.weight_decay", "-0.1"], "model.optimizer.weight_decay=-0.1 must be >= 0"),
+    (["--model.optimizer.betas", "[0.9, 1.0]"], "model.optimizer.betas=(0.9, 1.0) must be two numbers in [0, 1)"),
+    (["--model.optimizer.warmup_steps", "-1"], "model.optimizer.warmup_steps=-1 must be >= 0"),
+    (["--model.optimizer.lr_decay_steps", "0"], "model.optimizer.lr_decay_steps=0 must be > 0, or null for the whole run"),
     (["--model.temperature", "0"], "model.temperature=0.0 must be > 0"),
     (["--model.top_k", "0"], "model.top_k=0 must be >= 1, or null"),
     (["--data.num_workers", "-1"], "data.num_workers=-1 must be >= 0"),
@@ -210,7 +210,7 @@ def test_a_yaml_value_of_the_wrong_type_or_an_unknown_key_is_named(field: str, e
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """jsonargparse's reason, taken out of its report on the model's class, in one line before anything is built."""
     config = tmp_path / "config.yaml"
-    config.write_text(f"model:\n  {field}\n")
+    config.write_text(f"model:\n  optimizer:\n    {field}\n")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         run_in_process([*fit_args, "-c", str(config)], monkeypatch)

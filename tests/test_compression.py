@@ -32,7 +32,7 @@ def compression_run(debug_run_args: list[str], method: str) -> list[str]:
     same one."""
     return [*debug_run_args, "-c", str(CONFIG_DIR / "trainer/ddp_powersgd_cpu.yaml"), *batch_sizes(8, 4),
             "--trainer.max_steps", str(STEPS),
-            "--model.learning_rate", "1e-2", "--model.lr_decay_steps", "8", "--checkpoint.every_n_train_steps", "3",
+            "--model.optimizer.learning_rate", "1e-2", "--model.optimizer.lr_decay_steps", "8", "--checkpoint.every_n_train_steps", "3",
             "--gradient_compression.method", method, "--gradient_compression.powersgd_rank", str(RANK),
             "--gradient_compression.powersgd_start_step", str(START)]
 

@@ -28,7 +28,7 @@ def bert_run(byte_corpus: Path) -> list[str]:
     """The BERT recipe made small: bert-tiny, COMPARABLE_RUN's batches, clipping and validation, 6 steps of 2
     micro-batches with a checkpoint every 3."""
     return [*BERT, "--model.model_name", "bert-tiny", "--data.data_dir", str(byte_corpus),
-            "--data.sequence_length", "64", "--trainer.log_every_n_steps", "1", "--model.warmup_steps", "2",
+            "--data.sequence_length", "64", "--trainer.log_every_n_steps", "1", "--model.optimizer.warmup_steps", "2",
             *COMPARABLE_RUN, "--trainer.max_steps", "6", "--checkpoint.every_n_train_steps", "3"]
 
 

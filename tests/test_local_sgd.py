@@ -32,7 +32,7 @@ def diloco_run(debug_run_args: list[str]) -> list[str]:
     """DILOCO_STEPS steps on 2 processes (the shipped preset configs/trainer/diloco_cpu.yaml), a checkpoint every 3;
     the LR schedule does not depend on max_steps, so a run resumed from step 3 follows the same one."""
     return [*debug_run_args, "-c", str(CONFIG_DIR / "trainer/diloco_cpu.yaml"), *batch_sizes(8, 4),
-            "--trainer.max_steps", str(DILOCO_STEPS), "--model.learning_rate", "1e-2", "--model.lr_decay_steps", "8",
+            "--trainer.max_steps", str(DILOCO_STEPS), "--model.optimizer.learning_rate", "1e-2", "--model.optimizer.lr_decay_steps", "8",
             "--checkpoint.every_n_train_steps", "3", *local_updates("diloco", DILOCO_EVERY)]
 
 

@@ -25,7 +25,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from core.run_plan import RunPlan
 from datamodules.language_modeling import LanguageModelingDataModule
 from models.language_model import GPTLanguageModel
-from models.module import weight_decay_groups
+from models.optimizer import OptimizerSettings, weight_decay_groups
 from tests.helpers import (
     CLIP, CONFIG_DIR, GPU_LAYOUTS, PRECISIONS, assert_trains_as_one_does, assert_trains_with_clipping_that_bites, cached_fits,
     adam_weight_drift, clipped_run, fit, scalars, shrunk,
@@ -116,8 +116,9 @@ def test_fp16_grad_scaler_with_fused_adamw_matches_torchs_amp_recipe(byte_corpus
     configure_gradient_clipping unscales them; the norm it clips and logs must be the true one, and the weights
     those of the recipe (scale, backward, unscale_, clip, step, update) written by hand."""
     steps, scale, lr = 3, 2.0**12, 1e-3
-    hyperparameters = {"model_name": "debug", "vocab_size": 256, "learning_rate": lr, "warmup_steps": 1,
-                       "min_learning_rate_ratio": 1.0}  # a constant learning rate, as the hand-written loop has
+    # a constant learning rate, as the hand-written loop has
+    hyperparameters = {"model_name": "debug", "vocab_size": 256,
+                       "optimizer": OptimizerSettings(learning_rate=lr, warmup_steps=1, min_learning_rate_ratio=1.0)}
     module, reference = GPTLanguageModel(**hyperparameters), GPTLanguageModel(**hyperparameters)
     reference.configure_model()  # the same seed, so the same initial weights as the trained module's
     record = RecordBatchesAndNorms()

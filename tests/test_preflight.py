@@ -14,7 +14,7 @@ from core.errors import UserError
 from core.run_plan import RunPlan
 from models.gpt import GPT, GPT_CONFIGS
 from models.language_model import GPTLanguageModel
-from models.module import warmup_cosine_schedule, weight_decay_groups
+from models.optimizer import OptimizerSettings, warmup_cosine_schedule, weight_decay_groups
 
 
 def plan(world_size: int = 1, micro: int = 4, global_batch: int = 32, num_nodes: int = 1,
@@ -98,9 +98,8 @@ def test_warmup_then_cosine_to_the_floor() -> None:
 
 
 def test_linear_lr_scaling_rule() -> None:
-    model = GPTLanguageModel("debug", learning_rate=1e-3, global_batch_size=64, reference_batch_size=16)
-    assert model.effective_learning_rate == pytest.approx(4e-3)
-    assert GPTLanguageModel("debug", learning_rate=1e-3, global_batch_size=64).effective_learning_rate == 1e-3
+    assert OptimizerSettings(learning_rate=1e-3, reference_batch_size=16).peak_learning_rate(64) == pytest.approx(4e-3)
+    assert OptimizerSettings(learning_rate=1e-3).peak_learning_rate(64) == 1e-3
 
 
 def test_no_weight_decay_on_biases_norms_and_embeddings() -> None:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from core.tokens import IGNORE_INDEX
 from models.module import CohortModule
+from models.optimizer import OptimizerSettings
 from models.parallelize import TensorParallelPlan
 from tests.helpers import (
     CONFIG_DIR, DDP_2, MODEL_PARALLEL, QUIET, assert_comparable_runs_agree, fit, one_line_error, run_cohort,
@@ -30,11 +31,9 @@ ASYNCHRONOUS = ["-c", str(CONFIG_DIR / "trainer/async_ps_cpu.yaml"), "--trainer.
 class NextByteMLP(CohortModule):
     """Predicts each byte from the one before: an embedding, a hidden layer and a head."""
 
-    def __init__(self, vocab_size: int = 256, hidden_size: int = 64, learning_rate: float = 6e-4,
-                 min_learning_rate_ratio: float = 0.1, weight_decay: float = 0.1,
-                 betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 2, lr_decay_steps: int | None = None,
-                 global_batch_size: int | None = None, reference_batch_size: int | None = None, seed: int = 0) -> None:
-        super().__init__()
+    def __init__(self, vocab_size: int = 256, hidden_size: int = 64,
+                 optimizer: OptimizerSettings = OptimizerSettings()) -> None:
+        super().__init__(optimizer)
         self.save_hyperparameters()
 
     def plain_network(self) -> nn.Module:
