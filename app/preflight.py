@@ -144,12 +144,12 @@ def check_config(config: Namespace) -> RunPlan:
 
 def check_family_honours_strategy(family: type[CohortModule], plan: RunPlan, strategy: str | Namespace | None) -> None:
     """A UserError, naming what the family lacks, for a layout its network cannot be given: pipeline stages without
-    ``build_pipeline``, tensor parallelism without ``tensor_parallel_plan``, and any sharded strategy for a family
+    ``pipeline_split``, tensor parallelism without ``tensor_parallel_plan``, and any sharded strategy for a family
     that builds its network in its own ``configure_model`` (where Cohort cannot shard it, each rank would train a
     replica of its own)."""
     name = family.__name__
-    if plan.pipeline_parallel_size > 1 and not overrides(family, "build_pipeline"):
-        raise UserError(f"{name} has no pipeline split (CohortModule.build_pipeline): train it without pipeline "
+    if plan.pipeline_parallel_size > 1 and not overrides(family, "pipeline_split"):
+        raise UserError(f"{name} has no pipeline split (CohortModule.pipeline_split): train it without pipeline "
                         "stages (configs/trainer/ddp_cpu.yaml, model_parallel_cpu.yaml or their GPU versions)")
     if plan.tensor_parallel_size > 1 and not overrides(family, "tensor_parallel_plan"):
         raise UserError(f"{name} has no tensor-parallel plan (CohortModule.tensor_parallel_plan): set "

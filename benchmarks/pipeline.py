@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from models.gpt import GPTConfig, gpt_config
 from models.optimizer import weight_decay_groups
-from models.language_model import build_gpt
+from models.language_model import GPT_PIPELINE_SPLIT, build_gpt
 from models.pipeline import Pipeline, rank_stages, theoretical_bubble
 
 SEED = 1337
@@ -62,7 +62,7 @@ def pipeline_of(rank: int, port: int, config: GPTConfig, schedule: str, microbat
     mesh = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("pipeline_parallel", "data_parallel", "tensor_parallel"))
     spans = rank_stages(config.n_layer, mesh, 1)
     stages = [build_gpt(config, torch.device("cpu"), SEED, mesh, stage=span) for span in spans]
-    return Pipeline(stages, spans, mesh, torch.device("cpu"), schedule, microbatches)
+    return Pipeline(stages, spans, mesh, torch.device("cpu"), schedule, microbatches, GPT_PIPELINE_SPLIT, ["wte.weight"])
 
 
 def batch(config: GPTConfig, samples: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -157,7 +157,17 @@ class BERT(nn.Module):
         (B, T) holds 1 for real tokens and 0 for padding: no position attends to a padded one (a padded position's
         own output is meaningless; leave it out of the loss). ``token_type_ids`` (B, T) says which sentence each
         token belongs to (0 or 1; all 0 if not given)."""
-        B, T = input_ids.shape
+        x = self.embed(input_ids, token_type_ids)
+        # True where attention is allowed, broadcast over heads and query positions: (B, 1, 1, T)
+        attn_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        for block in self.blocks.values():
+            x = block(x, attn_mask)
+        return self.head(x)  # (B, T, vocab_size)
+
+    def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, T) to the first block's input (B, T, C): what a pipeline's first stage runs before its
+        blocks (which then attend to every position: pipelined batches hold no padding within a sequence)."""
+        T = input_ids.size(1)
         if T > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {T} exceeds the model's max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
@@ -166,12 +176,7 @@ class BERT(nn.Module):
         positions = torch.arange(T, device=input_ids.device)
         x = (self.token_embedding(input_ids) + self.position_embedding(positions)
              + self.token_type_embedding(token_type_ids))  # (B, T, C)
-        x = self.drop(self.ln_embedding(x))
-        # True where attention is allowed, broadcast over heads and query positions: (B, 1, 1, T)
-        attn_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
-        for block in self.blocks.values():
-            x = block(x, attn_mask)
-        return self.head(x)  # (B, T, vocab_size)
+        return self.drop(self.ln_embedding(x))
 
     def num_parameters(self) -> int:
         """Parameters counted once each (the tied decoder shares the token embedding)."""

@@ -7,9 +7,9 @@ the fastest kernel for the device is picked. Nothing here knows about processes,
 is built (usually on the meta device), then ``models/parallelize.py`` shards and initialises it.
 
 Shapes are read from the tensors, not the config, wherever tensor parallelism shards them: a rank then holds
-n_head / tp heads and 4 * n_embd / tp MLP columns. A pipeline stage is this same model with the parts that live on
-other stages removed (set to None, blocks deleted from ``blocks``); ``forward`` runs whatever is present, so a
-stage's parameter names are the unsplit model's.
+n_head / tp heads and 4 * n_embd / tp MLP columns. ``forward`` is ``embed``, the blocks, then ``head``: a pipeline
+stage (models/pipeline.py) is this same model with the parts other stages hold removed, running the parts it holds,
+so a stage's parameter names are the unsplit model's.
 """
 
 from __future__ import annotations
@@ -110,14 +110,14 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.wte: nn.Embedding | None = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe: nn.Embedding | None = nn.Embedding(config.block_size, config.n_embd)
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         # a dict keyed "0", "1", ... rather than a list: the names are the same ("blocks.3.attn...") and a pipeline
         # stage can drop the blocks other stages hold without renumbering its own
         self.blocks = nn.ModuleDict({str(index): Block(config) for index in range(config.n_layer)})
-        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.lm_head: nn.Linear | None = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one matrix, counted once
 
     def initial_std(self, name: str) -> float | None:
@@ -130,20 +130,25 @@ class GPT(nn.Module):
             return 0.02 / math.sqrt(2 * self.config.n_layer)
         return 0.02
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) to next-token logits (B, T, vocab_size). A pipeline stage without the position
-        embedding takes the previous stage's hidden states (B, T, C) instead, and one without the final norm
-        returns its own."""
-        T = x.size(1)
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds the model's block_size {self.config.block_size}")
-        if self.wpe is not None:  # the first stage: ids to embeddings
-            x = self.drop(self.wte(x) + self.wpe(torch.arange(T, device=x.device)))  # (B, T, C)
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) to next-token logits (B, T, vocab_size)."""
+        x = self.embed(idx)
         for block in self.blocks.values():
             x = block(x)
-        if self.ln_f is None:  # not the last stage
-            return x
-        return self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+        return self.head(x)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) to the first block's input (B, T, C): what a pipeline's first stage runs before its
+        blocks."""
+        T = idx.size(1)
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds the model's block_size {self.config.block_size}")
+        return self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The last block's output (B, T, C) to logits (B, T, vocab_size): what a pipeline's last stage runs after
+        its blocks."""
+        return self.lm_head(self.ln_f(x))
 
     def num_parameters(self) -> int:
         """Parameters counted once each (the tied head shares the token embedding)."""

@@ -14,20 +14,24 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchmetrics import MeanMetric
 
 from core.errors import UserError, check_ranges
-from core.run_plan import RunPlan, run_plan_of
+from core.run_plan import RunPlan
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
 from models.gpt import GPT, GPTConfig, gpt_config, training_flops_per_token
 from models.module import CohortModule
 from models.optimizer import OptimizerSettings
 from models.parallelize import TensorParallelPlan, build_network, check_tensor_parallel_size
-from models.pipeline import Pipeline, StageSpan, keep_stage, merge_stages, rank_stages
+from models.pipeline import PipelineSplit, StageSpan, check_stages_have_blocks, keep_stage
 
 # Megatron-style: the first projection of attention and of the MLP split by output columns (whole heads, thanks to
 # GPT's head-interleaved qkv layout), the second by input rows, so each block needs one all-reduce forward and one
 # backward per sub-layer. Embeddings, norms and the tied head stay replicated
 GPT_TENSOR_PARALLEL_PLAN: TensorParallelPlan = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise",
                                                "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}
+# the first stage turns token ids into hidden states, the last the final hidden states into logits; the last stage
+# also keeps the token embedding, which its output head shares
+GPT_PIPELINE_SPLIT = PipelineSplit(first=("wte", "wpe", "drop"), last=("ln_f", "lm_head"), embed=GPT.embed,
+                                   head=GPT.head)
 
 
 class GPTLanguageModel(CohortModule):
@@ -96,14 +100,7 @@ class GPTLanguageModel(CohortModule):
         """The pipeline split, the tensor-parallel heads and the context against the named size."""
         config = gpt_config(model.model_name, vocab_size=data.vocab_size)
         name = f"model '{model.model_name}'"
-        stages = plan.pipeline_parallel_size * plan.stages_per_rank
-        if plan.pipeline_layers is not None and sum(plan.pipeline_layers) != config.n_layer:
-            raise UserError(f"trainer.strategy.init_args.pipeline_layers={list(plan.pipeline_layers)} adds up to "
-                            f"{sum(plan.pipeline_layers)} blocks, but {name} has {config.n_layer}: give every block to "
-                            "one stage")
-        if stages > config.n_layer:
-            raise UserError(f"pipeline_parallel_size={plan.pipeline_parallel_size} ({plan.pipeline_schedule}) makes "
-                            f"{stages} stages, more than {name} has blocks ({config.n_layer}): use fewer stages")
+        check_stages_have_blocks(plan, config.n_layer, name)
         try:
             check_tensor_parallel_size(config.n_head, plan.tensor_parallel_size)
         except ValueError as error:
@@ -124,43 +121,8 @@ class GPTLanguageModel(CohortModule):
     def tensor_parallel_plan(self) -> TensorParallelPlan:
         return GPT_TENSOR_PARALLEL_PLAN
 
-    def build_pipeline(self, plan: RunPlan) -> tuple[GPT, Pipeline]:
-        """This rank's stages (two under the interleaved schedule), each built as ``build`` builds the whole GPT but
-        keeping its own blocks, held together by one GPT so that names are the unsplit model's."""
-        spans = rank_stages(self.config.n_layer, self.device_mesh, plan.stages_per_rank, plan.pipeline_layers)
-        stages = [self.build(keep_stage=partial(keep_stage, stage=span)) for span in spans]
-        model = stages[0] if len(stages) == 1 else merge_stages(stages)
-        return model, Pipeline(stages, spans, self.device_mesh, self.build_device(), plan.pipeline_schedule,
-                               plan.pipeline_microbatches)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        inputs, targets = batch
-        plan = run_plan_of(self)
-        if self.pipeline is not None:  # forward and backward of all stages, now; Lightning's backward is skipped
-            if batch_idx % plan.accumulation == 0:  # the step's first micro-batch (see optimizer_zero_grad)
-                self.optimizers().zero_grad()
-            loss = self.pipeline.train_step(inputs, targets, plan.accumulation)
-            if plan.ends_optimizer_step(batch_idx):
-                self.pipeline.finish_gradients()
-        else:
-            loss = self.batch_loss(self.model, batch)
-        # once per optimizer step: a step's logged value is its last micro-batch's anyway, and each self.log
-        # costs about a millisecond of Lightning bookkeeping
-        if plan.ends_optimizer_step(batch_idx):
-            self.log("train/loss", loss, prog_bar=True)
-            self.log("lr", self.lr_schedulers().get_last_lr()[0])
-        return loss
-
-    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        """Lightning's backward of the training step's loss; under a pipeline the schedule has run it already."""
-        if self.pipeline is None:
-            super().backward(loss, *args, **kwargs)
-
-    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
-        """Lightning zeroes the gradients between the step's first training_step and its backward, which would drop
-        the gradients a pipeline's training_step has already made: then training_step zeroes them itself."""
-        if self.pipeline is None:
-            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+    def pipeline_split(self) -> PipelineSplit:
+        return GPT_PIPELINE_SPLIT
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._update_mean_loss(self.val_loss, batch)
@@ -218,5 +180,12 @@ def build_gpt(config: GPTConfig, device: torch.device, seed: int, device_mesh: D
               stage: StageSpan | None = None, **options: Any) -> GPT:
     """A GPT (or one pipeline ``stage`` of it) built outside Lightning, as ``GPTLanguageModel`` builds it:
     ``options`` are ``models.parallelize.build_network``'s (device_mesh, activation_checkpointing, ...)."""
-    return build_network(lambda: GPT(config), device, seed, device_mesh, tensor_parallel_plan=GPT_TENSOR_PARALLEL_PLAN,
-                         keep_stage=None if stage is None else partial(keep_stage, stage=stage), **options)
+    def make_network() -> GPT:
+        return GPT(config)
+
+    cut = None
+    if stage is not None:
+        paths = [f"blocks.{index}" for index in range(config.n_layer)]
+        cut = partial(keep_stage, split=GPT_PIPELINE_SPLIT, paths=paths, span=stage)
+    return build_network(make_network, device, seed, device_mesh, tensor_parallel_plan=GPT_TENSOR_PARALLEL_PLAN,
+                         keep_stage=cut, **options)

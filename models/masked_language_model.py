@@ -25,6 +25,7 @@ from models.masking import check_special_tokens, mask_tokens
 from models.module import CohortModule
 from models.optimizer import OptimizerSettings
 from models.parallelize import TensorParallelPlan, check_tensor_parallel_size
+from models.pipeline import PipelineSplit, check_stages_have_blocks
 
 BYTE_VOCAB_SIZE = 256  # the embedded corpus, and any data prepared byte by byte
 # BERT's: 1e-4 at batch 256, warmed up over 10,000 steps, decayed to 0, weight decay 0.01, Adam's betas
@@ -32,6 +33,11 @@ BERT_OPTIMIZER = OptimizerSettings(learning_rate=1e-4, min_learning_rate_ratio=0
                                    betas=(0.9, 0.999), warmup_steps=10_000)
 # as GPT's (models/language_model.py): query, key and value by output columns (whole heads), the attention output
 # and the second feed-forward layer by input rows; embeddings, norms and the MLM head stay replicated
+# the first stage turns (masked) token ids into hidden states, the last the final hidden states into logits; the
+# last stage also keeps the token embedding, which its decoder shares
+BERT_PIPELINE_SPLIT = PipelineSplit(
+    first=("token_embedding", "position_embedding", "token_type_embedding", "ln_embedding", "drop"), last=("head",),
+    embed=BERT.embed, head=lambda network, x: network.head(x))
 BERT_TENSOR_PARALLEL_PLAN: TensorParallelPlan = {
     "blocks.*.attn.query": "colwise", "blocks.*.attn.key": "colwise", "blocks.*.attn.value": "colwise",
     "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}
@@ -83,17 +89,32 @@ class BertMaskedLanguageModel(CohortModule):
     def example_batch(self, micro_batch_size: int, sequence_length: int,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = torch.zeros(micro_batch_size, sequence_length, dtype=torch.long, device=device)
-        return tokens, tokens
+        return tokens, tokens.clone()  # inputs and labels: two tensors, as masking makes (the memory estimate counts both)
 
-    def batch_loss(self, network: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
-                   mask_seed: int = 0) -> torch.Tensor:
-        inputs, labels = self.masked(batch[0], mask_seed)
+    def batch_loss(self, network: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, labels = batch
         return F.cross_entropy(network(inputs).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+    def prepare_batch(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[CLS] window [SEP], masked: in training by the micro-batch's place in the step's global batch
+        (``mask_seed``), in validation by (data-parallel rank, batch), the same in every validation. Padding windows
+        (all their targets IGNORE_INDEX) get no labels."""
+        plan = run_plan_of(self)
+        if self.trainer.training:
+            seed = self.mask_seed(plan, self.global_rank, self.global_step, batch_idx)
+        else:
+            seed = derive_seed(plan.seed, "validation mask", plan.data_parallel_rank(self.global_rank), batch_idx)
+        inputs, labels = self.masked(batch[0], seed)
+        return inputs, labels.masked_fill(batch[1] == IGNORE_INDEX, IGNORE_INDEX)
+
+    def pipeline_split(self) -> PipelineSplit:
+        return BERT_PIPELINE_SPLIT
 
     @classmethod
     def check_config(cls, model: Namespace, data: Namespace, plan: RunPlan) -> None:
         config = bert_config(model.model_name)
         name = f"model '{model.model_name}'"
+        check_stages_have_blocks(plan, config.n_layer, name)
         try:
             check_tensor_parallel_size(config.n_head, plan.tensor_parallel_size)
         except ValueError as error:
@@ -116,12 +137,9 @@ class BertMaskedLanguageModel(CohortModule):
         return BERT_TENSOR_PARALLEL_PLAN
 
     def masked(self, window: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[CLS] window[1:-1] [SEP], corrupted as BERT does, and the labels; on the meta device (counting FLOPs and
-        memory) every position is a label and nothing is drawn."""
+        """[CLS] window[1:-1] [SEP], corrupted as BERT does, and the labels."""
         tokens = window.clone()
         tokens[:, 0], tokens[:, -1] = self.special_tokens.cls, self.special_tokens.sep
-        if tokens.device.type == "meta":
-            return tokens, tokens.clone()  # two tensors, as mask_tokens makes: the loss saves one, the embedding one
         generator = torch.Generator(device=tokens.device).manual_seed(seed)
         return mask_tokens(tokens, generator, self.config.vocab_size, self.special_tokens.mask,
                            self.special_tokens.ids, self.hparams.mask_probability)
@@ -136,21 +154,15 @@ class BertMaskedLanguageModel(CohortModule):
         group = within_step * plan.data_parallel_size + plan.data_parallel_rank(global_rank)
         return derive_seed(plan.seed, "mask", step, group)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        plan = run_plan_of(self)
-        loss = self.batch_loss(self.model, batch, self.mask_seed(plan, self.global_rank, self.global_step, batch_idx))
-        if plan.ends_optimizer_step(batch_idx):  # a step's logged value is its last micro-batch's
-            self.log("train/loss", loss, prog_bar=True)
-            self.log("lr", self.lr_schedulers().get_last_lr()[0])
-        return loss
-
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        plan = run_plan_of(self)
-        seed = derive_seed(plan.seed, "validation mask", plan.data_parallel_rank(self.global_rank), batch_idx)
-        inputs, labels = self.masked(batch[0], seed)
+        """The loss and the share of masked tokens predicted right; under a pipeline the loss only (the logits stay
+        on the last stage)."""
+        if self.pipeline is not None:
+            super().validation_step(batch, batch_idx)
+            return
+        inputs, labels = self.prepare_batch(batch, batch_idx)
         logits = self.model(inputs).float()
-        chosen = labels != IGNORE_INDEX  # padding windows (all IGNORE_INDEX targets) are never chosen either
-        chosen &= batch[1] != IGNORE_INDEX
+        chosen = labels != IGNORE_INDEX
         count = chosen.sum()
         loss_sum = F.cross_entropy(logits[chosen], labels[chosen], reduction="sum")
         correct = (logits[chosen].argmax(-1) == labels[chosen]).sum()
@@ -158,12 +170,14 @@ class BertMaskedLanguageModel(CohortModule):
         self.val_accuracy.update(correct / count.clamp(min=1), weight=count)
 
     def on_validation_epoch_end(self) -> None:
-        loss, accuracy = self.val_loss.compute(), self.val_accuracy.compute()  # collectives: every rank's mean
+        loss = self.val_loss.compute()  # a collective: every rank's mean
         self.val_loss.reset()
-        self.val_accuracy.reset()
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
         self.log("val/perplexity", torch.exp(loss), sync_dist=True)
-        self.log("val/masked_accuracy", accuracy, sync_dist=True)
+        if self.pipeline is None:
+            accuracy = self.val_accuracy.compute()
+            self.val_accuracy.reset()
+            self.log("val/masked_accuracy", accuracy, sync_dist=True)
 
 
 def special_tokens(vocab_size: int | None, mask_token_id: int | None, cls_token_id: int | None,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from typing import Any, ClassVar
 
 import lightning as L
@@ -30,8 +31,12 @@ from torchmetrics import MeanMetric
 from core.errors import UserError
 from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED
+from core.tokens import IGNORE_INDEX
 from models.optimizer import OptimizerSettings
 from models.parallelize import TensorParallelPlan, build_network, clip_grad_norm_, repeated_blocks
+from models.pipeline import (
+    Pipeline, PipelineSplit, block_paths, check_split, keep_stage, merge_stages, rank_stages, tied_parts,
+)
 
 # FSDP2's compute dtype for each mixed precision; the sharded float32 master weights stay float32
 FSDP_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -75,7 +80,8 @@ class CohortModule(L.LightningModule):
         raise NotImplementedError
 
     def batch_loss(self, network: nn.Module, batch: Any) -> torch.Tensor:
-        """The training loss of one micro-batch through ``network`` (a plain network, as ``plain_network`` builds)."""
+        """The mean loss of one micro-batch (as ``prepare_batch`` gives it; ``example_batch`` is one) through
+        ``network`` (a plain network, as ``plain_network`` builds)."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -92,11 +98,16 @@ class CohortModule(L.LightningModule):
         """The network's repeated blocks: each is one FSDP2 unit, checkpointed and compiled on its own."""
         return repeated_blocks(network)
 
-    def build_pipeline(self, plan: RunPlan) -> tuple[nn.Module, Any]:
-        """This rank's pipeline stages, as one module holding them under the unsplit network's names, and the
-        Pipeline that runs them; a family without a pipeline split leaves this out (the pre-flight checks refuse
-        pipeline_parallel_size > 1 for it)."""
-        raise UserError(f"{type(self).__name__} has no pipeline split: train it without pipeline stages")
+    def pipeline_split(self) -> PipelineSplit | None:
+        """Where the network may be cut into pipeline stages (``models/pipeline.py``); None: the family cannot run
+        with pipeline_parallel_size > 1 (the pre-flight checks refuse it)."""
+        return None
+
+    def prepare_batch(self, batch: Any, batch_idx: int) -> Any:
+        """The micro-batch ``batch_idx`` as ``batch_loss`` and a pipeline take it: (inputs, targets), what the first
+        stage reads and what the loss compares with. The data's batch unchanged, unless the family corrupts its
+        inputs per step (BERT's masks)."""
+        return batch
 
     @classmethod
     def check_config(cls, model: Namespace, data: Namespace, plan: RunPlan) -> None:
@@ -115,6 +126,22 @@ class CohortModule(L.LightningModule):
             self.model, self.pipeline = self.build_pipeline(plan)
         else:
             self.model = self.build()
+
+    def build_pipeline(self, plan: RunPlan) -> tuple[nn.Module, Pipeline]:
+        """This rank's stages (two under the interleaved schedule), each built as ``build`` builds the whole network
+        but keeping its own blocks and ends, held together by one module under the unsplit network's names, and the
+        Pipeline that runs them."""
+        split = self.pipeline_split()
+        with torch.device("meta"):
+            whole = self.plain_network()
+        paths = block_paths(whole, self.blocks(whole))
+        check_split(whole, split, paths)
+        spans = rank_stages(len(paths), self.device_mesh, plan.stages_per_rank, plan.pipeline_layers)
+        stages = [self.build(keep_stage=partial(keep_stage, split=split, paths=paths, span=span)) for span in spans]
+        model = stages[0] if len(stages) == 1 else merge_stages(self.plain_network, split, paths, stages, spans)
+        pipeline = Pipeline(stages, spans, self.device_mesh, self.build_device(), plan.pipeline_schedule,
+                            plan.pipeline_microbatches, split, sorted(tied_parts(whole, split).values()))
+        return model, pipeline
 
     def build(self, keep_stage: Callable[[nn.Module], None] | None = None) -> nn.Module:
         """The family's network as this rank holds it: over the strategy's device mesh (FSDP2 on the data-parallel
@@ -165,18 +192,44 @@ class CohortModule(L.LightningModule):
         return self.model(*inputs)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """The family's loss of one micro-batch; logged (with the learning rate) once per optimizer step, at its last
-        micro-batch: a step's logged value is that one's anyway, and each self.log costs about a millisecond."""
-        loss = self.batch_loss(self.model, batch)
-        if run_plan_of(self).ends_optimizer_step(batch_idx):
+        """The family's loss of one micro-batch, or under a pipeline its forward and backward through all stages,
+        now (Lightning's backward is then skipped). Logged (with the learning rate) once per optimizer step, at its
+        last micro-batch: a step's logged value is that one's anyway, and each self.log costs about a millisecond."""
+        plan = run_plan_of(self)
+        if self.pipeline is not None:
+            if batch_idx % plan.accumulation == 0:  # the step's first micro-batch (see optimizer_zero_grad)
+                self.optimizers().zero_grad()
+            loss = self.pipeline.train_step(*self.prepare_batch(batch, batch_idx), plan.accumulation)
+            if plan.ends_optimizer_step(batch_idx):
+                self.pipeline.finish_gradients()
+        else:
+            loss = self.batch_loss(self.model, self.prepare_batch(batch, batch_idx))
+        if plan.ends_optimizer_step(batch_idx):
             self.log("train/loss", loss, prog_bar=True)
             self.log("lr", self.lr_schedulers().get_last_lr()[0])
         return loss
 
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Lightning's backward of the training step's loss; under a pipeline the schedule has run it already."""
+        if self.pipeline is None:
+            super().backward(loss, *args, **kwargs)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """Lightning zeroes the gradients between the step's first training_step and its backward, which would drop
+        the gradients a pipeline's training_step has already made: then training_step zeroes them itself."""
+        if self.pipeline is None:
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        """The family's loss of one validation batch, weighted by its samples."""
-        samples = len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch)
-        self.val_loss.update(self.batch_loss(self.model, batch).float(), weight=samples)
+        """The family's loss of one validation batch, weighted by its targets that are not padding (IGNORE_INDEX:
+        the windows and images that even out the ranks' shares count for nothing)."""
+        inputs, targets = self.prepare_batch(batch, batch_idx)
+        if self.pipeline is not None:
+            self.val_loss.update(*self.pipeline.eval_step(inputs, targets))
+            return
+        counted = (targets != IGNORE_INDEX).sum()
+        loss = self.batch_loss(self.model, (inputs, targets)).float()
+        self.val_loss.update(torch.nan_to_num(loss), weight=counted)  # an all-padding batch's mean is NaN
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()  # a collective: the mean over every rank's samples

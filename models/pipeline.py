@@ -1,19 +1,24 @@
-"""Pipeline parallelism for the GPT with ``torch.distributed.pipelining``: this rank's stages (one, or two under
+"""Pipeline parallelism for any network whose forward is a sequence of parts (its inputs turned into hidden
+states, its repeated blocks, its head), with ``torch.distributed.pipelining``: this rank's stages (one, or two under
 the interleaved schedule), the schedule that runs every pipeline micro-batch's forward and backward through them,
-and the two things a pipeline adds to a training step, both over the pipeline ranks: the tied embedding's gradient
-summed between the first and the last stage, and the gradient norm summed over all stages before clipping.
+and the two things a pipeline adds to a training step, both over the pipeline ranks: the gradient of a weight tied
+between the first and the last stage (GPT's and BERT's embedding and output head) summed, and the gradient norm
+summed over all stages before clipping.
 
-A stage is the GPT with the other stages' parts removed (``models.parallelize.keep_stage``), so parameter names,
-checkpoints and optimizer states are the unsplit model's. Nothing here knows about Lightning: the LightningModule
-calls ``Pipeline.train_step`` and ``Pipeline.eval_step`` with its micro-batch, which the schedule cuts into
-``n_microbatches`` pipeline micro-batches.
+A stage is the family's network with the other stages' parts removed (``keep_stage``), so parameter names,
+checkpoints and optimizer states are the unsplit network's; the family says where the parts are and how its two
+ends run (``PipelineSplit``). Nothing here knows about Lightning: the LightningModule calls ``Pipeline.train_step``
+and ``Pipeline.eval_step`` with its micro-batch, which the schedule cuts into ``n_microbatches`` pipeline
+micro-batches.
 """
 
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,16 +29,38 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
+from core.errors import UserError
+from core.run_plan import RunPlan
 from core.tokens import IGNORE_INDEX
-from models.gpt import GPT
 
 SCHEDULES: dict[str, type] = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
 
 
+def cross_entropy_sum(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of every target that is not padding (IGNORE_INDEX), over the outputs' last dim."""
+    return F.cross_entropy(outputs.reshape(-1, outputs.size(-1)).float(), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """Where a family's network may be cut into stages, between its repeated blocks (``CohortModule.blocks``):
+    ``first`` names the modules that turn the inputs into hidden states (run by the first stage, ``embed``), ``last``
+    those that turn the last block's output into the outputs (run by the last stage, ``head``). Every parameter must
+    belong to a block or to one of these modules. ``loss_sum`` is the summed loss of a pipeline micro-batch's
+    outputs; each is divided by the micro-batch's count of targets that are not padding."""
+
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+    embed: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    head: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = field(default=cross_entropy_sum)
+
+
 @dataclass(frozen=True)
 class StageSpan:
-    """One pipeline stage of a GPT: its index among ``num_stages`` and the blocks it runs. The first stage also
-    holds the embeddings, the last the final norm and the head."""
+    """One pipeline stage: its index among ``num_stages`` and the blocks it runs. The first stage also runs the
+    split's ``first`` modules, the last its ``last`` ones."""
 
     index: int
     num_stages: int
@@ -72,41 +99,121 @@ def split_layers(n_layer: int, num_stages: int, layers: tuple[int, ...] | None =
     return [StageSpan(index, num_stages, span) for index, span in enumerate(layers)]
 
 
-def keep_stage(model: GPT, stage: StageSpan) -> None:
-    """Remove what other stages hold. The last stage keeps the token embedding when it is not also the first: it
-    holds the head's tied weight, under the same name, so that checkpoints and optimizer states line up with
-    the unsplit model's (its gradient is summed with the first stage's, see models/pipeline.py)."""
-    for name in list(model.blocks):
-        if int(name) not in stage.layers:
-            del model.blocks[name]
-    if not stage.first:
-        model.wpe = None
-    if not stage.last:
-        model.ln_f = model.lm_head = None
-    if not (stage.first or stage.last):
-        model.wte = None
+def block_paths(network: nn.Module, blocks: list[nn.Module]) -> list[str]:
+    """Where each block sits in ``network`` ("blocks.3", "stages.1.0"), in order."""
+    names = {id(module): name for name, module in network.named_modules()}
+    return [names[id(block)] for block in blocks]
 
 
-def merge_stages(stages: list[GPT]) -> GPT:
-    """One GPT holding the parts of this rank's stages (an interleaved schedule runs two), so that parameter
-    names, the state dict and the optimizer see the unsplit model's names. Only the stages run forward."""
+def tied_parts(network: nn.Module, split: PipelineSplit) -> dict[str, str]:
+    """{first module: the name of its parameter} for each parameter that a ``first`` module shares with a ``last``
+    one (an output head tied to the embedding): the last stage keeps that module too, so that both ends hold the
+    weight under its own name, and their gradients are summed (``Pipeline.finish_gradients``)."""
+    owners: dict[int, list[str]] = defaultdict(list)
+    for name, param in network.named_parameters(remove_duplicate=False):
+        owners[id(param)].append(name)
+    tied = {}
+    for names in owners.values():
+        parts = [name.split(".")[0] for name in names]
+        first = next((part for part in parts if part in split.first), None)
+        if first is not None and any(part in split.last for part in parts):
+            tied[first] = names[0]
+    return tied
+
+
+def check_split(network: nn.Module, split: PipelineSplit, paths: list[str]) -> None:
+    """A UserError naming a parameter that neither a block nor the split's modules hold: every stage would keep it."""
+    held = (*paths, *split.first, *split.last)
+    for name, _ in network.named_parameters():
+        if not any(name == part or name.startswith(part + ".") for part in held):
+            raise UserError(f"the pipeline split of {type(network).__name__} leaves {name} in no stage: add its module "
+                            "to PipelineSplit.first or .last, or to the blocks")
+
+
+def remove_module(network: nn.Module, path: str) -> None:
+    """Drop the module at ``path``, keeping every other name: from a container its key goes (no renumbering), an
+    attribute becomes None."""
+    parent_path, _, name = path.rpartition(".")
+    parent = network.get_submodule(parent_path)
+    if isinstance(parent, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        parent._modules.pop(name)
+    else:
+        setattr(parent, name, None)
+
+
+def keep_stage(network: nn.Module, split: PipelineSplit, paths: list[str], span: StageSpan) -> None:
+    """Remove what other stages hold and make ``network`` run as this stage: its blocks of ``span``, after the
+    split's ``first`` modules if it is the first stage, then its ``last`` ones if it is the last. The last stage
+    keeps a first module whose weight the head shares (``tied_parts``)."""
+    tied = tied_parts(network, split)
+    for index, path in enumerate(paths):
+        if index not in span.layers:
+            remove_module(network, path)
+    for part in split.first:
+        if not span.first and not (span.last and part in tied):
+            remove_module(network, part)
+    for part in split.last:
+        if not span.last:
+            remove_module(network, part)
+    mine = [paths[index] for index in span.layers]
+    network.forward = partial(run_stage, network, split, mine, span)  # type: ignore[method-assign]
+
+
+def run_stage(network: nn.Module, split: PipelineSplit, paths: list[str], span: StageSpan,
+              x: torch.Tensor) -> torch.Tensor:
+    """One stage's forward. Blocks are looked up by name on each call: activation checkpointing wraps them in place
+    after the stage is cut."""
+    if span.first:
+        x = split.embed(network, x)
+    for path in paths:
+        x = network.get_submodule(path)(x)
+    if span.last:
+        x = split.head(network, x)
+    return x
+
+
+def merge_stages(make_network: Callable[[], nn.Module], split: PipelineSplit, paths: list[str],
+                 stages: list[nn.Module], spans: list[StageSpan]) -> nn.Module:
+    """One module holding the parts of this rank's stages (an interleaved schedule runs two) under the unsplit
+    network's names, so that the state dict and the optimizer see them. Only the stages run forward."""
     with torch.device("meta"):
-        merged = GPT(stages[0].config)
-    merged.blocks = nn.ModuleDict({name: block for stage in stages for name, block in stage.blocks.items()})
-    for part in ("wte", "wpe", "ln_f", "lm_head"):
-        held = [getattr(stage, part) for stage in stages if getattr(stage, part) is not None]
-        setattr(merged, part, held[0] if held else None)
+        merged = make_network()
+    for part in (*paths, *split.first, *split.last):
+        remove_module(merged, part)
+    for stage, span in zip(stages, spans):
+        held = [paths[index] for index in span.layers]
+        held += [part for part in (*split.first, *split.last) if getattr(stage, part, None) is not None]
+        for path in held:
+            parent_path, _, name = path.rpartition(".")
+            setattr(merged.get_submodule(parent_path), name, stage.get_submodule(path))
     return merged
 
 
+def check_stages_have_blocks(plan: RunPlan, n_blocks: int, name: str) -> None:
+    """UserErrors, before anything is built, for pipeline stages that a network of ``n_blocks`` blocks cannot fill:
+    a split that does not add up to them, or more stages than blocks."""
+    if plan.pipeline_parallel_size == 1:
+        return
+    stages = plan.pipeline_parallel_size * plan.stages_per_rank
+    if plan.pipeline_layers is not None and sum(plan.pipeline_layers) != n_blocks:
+        raise UserError(f"trainer.strategy.init_args.pipeline_layers={list(plan.pipeline_layers)} adds up to "
+                        f"{sum(plan.pipeline_layers)} blocks, but {name} has {n_blocks}: give every block to one stage")
+    if stages > n_blocks:
+        raise UserError(f"pipeline_parallel_size={plan.pipeline_parallel_size} ({plan.pipeline_schedule}) makes "
+                        f"{stages} stages, more than {name} has blocks ({n_blocks}): use fewer stages")
 
-def rank_stages(n_layer: int, mesh: DeviceMesh, stages_per_rank: int,
+
+def rank_stages(n_blocks: int, mesh: DeviceMesh, stages_per_rank: int,
                 layers: tuple[int, ...] | None = None) -> list[StageSpan]:
     """This rank's stages (``layers`` blocks each, if given), in the "loop" order of the interleaved schedules:
     pipeline rank r of p runs stages r, r + p, r + 2p, ... (one stage per rank without interleaving)."""
     pipeline_mesh = mesh["pipeline_parallel"]
     ranks, rank = pipeline_mesh.size(), pipeline_mesh.get_local_rank()
-    stages = split_layers(n_layer, ranks * stages_per_rank, layers)
+    try:
+        stages = split_layers(n_blocks, ranks * stages_per_rank, layers)
+    except ValueError as error:
+        raise UserError(f"{error}: use fewer pipeline stages, or give trainer.strategy.init_args.pipeline_layers "
+                        "that add up to the blocks") from None
     return [stages[rank + round_ * ranks] for round_ in range(stages_per_rank)]
 
 
@@ -160,21 +267,23 @@ class TimedStage(PipelineStage):
 
 
 class Pipeline:
-    """This rank's stages (GPTs already cut by ``build_gpt``, described by ``spans``) and the schedule over the
-    mesh's "pipeline_parallel" dimension."""
+    """This rank's stages (networks already cut by ``keep_stage``, described by ``spans``) and the schedule over the
+    mesh's "pipeline_parallel" dimension. ``tied`` names the parameters the first and the last stage both hold."""
 
-    def __init__(self, stages: list[GPT], spans: list[StageSpan], mesh: DeviceMesh, device: torch.device,
-                 schedule: str, n_microbatches: int) -> None:
+    def __init__(self, stages: list[nn.Module], spans: list[StageSpan], mesh: DeviceMesh, device: torch.device,
+                 schedule: str, n_microbatches: int, split: PipelineSplit, tied: list[str]) -> None:
         self.device = device
+        self.split = split
         self.has_first = any(span.first for span in spans)
         self.has_last = any(span.last for span in spans)
         self.group = mesh["pipeline_parallel"].get_group()
-        self.tied_group = tied_embedding_group(mesh)
+        self.tied_group = tied_weights_group(mesh) if tied else None
         self.stages = [TimedStage(stage, span.index, span.num_stages, device, group=self.group)
                        for stage, span in zip(stages, spans)]
-        # the last stage's copy of the tied embedding: its gradient is summed into the first stage's
-        self.tied_weight = next((stage.wte.weight for stage, span in zip(stages, spans)
-                                 if span.last and stage.wte is not None), None)
+        # this rank's copies of the tied weights: the first stage's, or else the last stage's
+        end = next((stage for stage, span in zip(stages, spans) if span.first or span.last), None)
+        held = dict(end.named_parameters()) if end is not None else {}
+        self.tied_weights = [held[name] for name in tied if name in held]
         # scale_grads=False: torch's scaling divides every gradient, also those accumulated over earlier
         # micro-batches of the optimizer step; the loss below is scaled instead
         local = self.stages[0] if len(self.stages) == 1 else self.stages
@@ -182,10 +291,8 @@ class Pipeline:
         self._loss_denominator: torch.Tensor | float = 1.0
         self.schedule_seconds = 0.0  # inside training schedules since the start; compute_seconds is the busy part
 
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="sum")
-        return loss_sum / self._loss_denominator
+    def _loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.split.loss_sum(outputs, targets) / self._loss_denominator
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, accumulation: int) -> torch.Tensor:
         """Forward and backward of the micro-batch (inputs, targets) through the whole pipeline; the gradients
@@ -221,20 +328,20 @@ class Pipeline:
         return loss
 
     def finish_gradients(self) -> None:
-        """After the optimizer step's last backward: the first stage's embedding gradient and the last stage's
-        head gradient are one parameter's, so each gets their sum."""
-        if self.tied_group is None:  # no pipeline, or a middle rank
+        """After the optimizer step's last backward: a weight tied between the first and the last stage (the
+        embedding and the output head) is one parameter, so each copy gets the sum of both gradients."""
+        if self.tied_group is None:  # nothing tied, or a middle rank
             return
-        # pipeline rank 0's first stage is stage 0, the one with the embedding
-        weight = self.tied_weight if self.tied_weight is not None else self.stages[0].submod.wte.weight
-        grad = weight.grad
-        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.tied_group)
+        for weight in self.tied_weights:
+            grad = weight.grad
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.tied_group)
 
     def counted_parameters(self, parameters: list[nn.Parameter]) -> list[nn.Parameter]:
-        """``parameters`` without those another stage already counts (the tied embedding on the last stage)."""
-        if self.has_first or self.tied_weight is None:
+        """``parameters`` without those another stage already counts (the tied weights on the last stage)."""
+        if self.has_first:
             return parameters
-        return [param for param in parameters if param is not self.tied_weight]
+        tied = {id(weight) for weight in self.tied_weights}
+        return [param for param in parameters if id(param) not in tied]
 
     @property
     def compute_seconds(self) -> float:
@@ -242,9 +349,9 @@ class Pipeline:
         return sum(stage.busy_seconds for stage in self.stages)
 
 
-def tied_embedding_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+def tied_weights_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     """The first and the last pipeline rank at this rank's (data, tensor) coordinates, which both hold the tied
-    embedding; None without a pipeline. Every rank creates every pair's group, in the same order, as
+    weights; None without a pipeline. Every rank creates every pair's group, in the same order, as
     ``new_group`` requires."""
     ranks = mesh.mesh  # (pipeline, data, tensor) -> global rank
     if ranks.size(0) == 1:

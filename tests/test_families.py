@@ -16,7 +16,7 @@ from core.run_plan import RunPlan
 from core.seeding import derive_seed
 from core.tokens import IGNORE_INDEX
 from models.masked_language_model import BertMaskedLanguageModel
-from tests.helpers import (COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_weights_agree,
+from tests.helpers import (COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_comparable_runs_agree,
                            assert_weights_equal, fit, fit_killed_mid_accumulation, last_checkpoint,
                            last_checkpoint_weights, one_line_error, scalars)
 
@@ -47,19 +47,19 @@ def bert_straight(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) -
 
 
 @pytest.mark.slow
-def test_bert_trains_under_tensor_parallelism_as_one_process_does(tmp_path: Path, byte_corpus: Path,
-                                                                   bert_straight: Path) -> None:
-    """Tensor parallelism applied to BERT's blocks by models/parallelize.py (query, key, value and the first FFN layer
-    by columns; FSDP2 goes through the same function as the GPT's, and the user-level runs cover it): the same
-    gradient norm at every step (clipping bites) and the same final weights as one process, since the masks follow
-    the samples."""
-    other = fit(tmp_path / "other", [*bert_run(byte_corpus), *MODEL_PARALLEL,
-                                     "--trainer.strategy.init_args.data_parallel_size", "1",
-                                     "--trainer.strategy.init_args.tensor_parallel_size", "2"])
-    norms = scalars(bert_straight, "train/grad_norm")
-    assert min(norms) > 0.1  # above COMPARABLE_RUN's clip: clipping bites at every step
-    assert scalars(other, "train/grad_norm") == pytest.approx(norms, rel=1e-5)
-    assert_weights_agree(bert_straight, other)
+@pytest.mark.parametrize("layout", [
+    [*MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
+     "--trainer.strategy.init_args.tensor_parallel_size", "2"],
+    ["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")],
+], ids=["tensor-parallel", "pipeline"])
+def test_bert_trains_under_model_parallelism_as_one_process_does(tmp_path: Path, byte_corpus: Path,
+                                                                 bert_straight: Path, layout: list[str]) -> None:
+    """BERT split by Cohort's generic machinery, by its tensor-parallel plan (query, key, value and the first FFN
+    layer by columns) or into 2 pipeline stages (the embeddings and a block, a block and the MLM head, the decoder's
+    weight tied across them): the same validation loss and clipped gradient norm at every step and the same final
+    weights as one process, since the masks follow the samples."""
+    assert min(scalars(bert_straight, "train/grad_norm")) > 0.1  # above COMPARABLE_RUN's clip: clipping bites
+    assert_comparable_runs_agree(bert_straight, fit(tmp_path / "other", [*bert_run(byte_corpus), *layout]))
 
 
 @pytest.fixture(scope="module")

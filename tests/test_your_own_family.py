@@ -16,6 +16,7 @@ from core.tokens import IGNORE_INDEX
 from models.module import CohortModule
 from models.optimizer import OptimizerSettings
 from models.parallelize import TensorParallelPlan
+from models.pipeline import PipelineSplit
 from tests.helpers import (
     CONFIG_DIR, DDP_2, MODEL_PARALLEL, QUIET, assert_comparable_runs_agree, fit, one_line_error, run_cohort,
 )
@@ -66,33 +67,45 @@ class UnshardedMLP(NextByteMLP):
         return self.plain_network().to(self.build_device())
 
 
+class CausalLayer(nn.TransformerEncoderLayer):
+    """torch's post-norm encoder layer, attending to earlier positions only."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        mask = nn.Transformer.generate_square_subsequent_mask(x.size(1), device=x.device)
+        return super().forward(x, src_mask=mask, is_causal=True)
+
+
 class TinyEncoder(nn.Module):
-    """A small causal Transformer from torch's own layers (not Cohort's GPT): post-norm encoder layers."""
+    """A small causal Transformer from torch's own layers (not Cohort's GPT)."""
 
     def __init__(self, vocab_size: int, width: int = 32, layers: int = 2) -> None:
         super().__init__()
         self.embedding = nn.Embedding(vocab_size, width)
-        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(width, nhead=2, dim_feedforward=4 * width, dropout=0.0,
-                                                               batch_first=True) for _ in range(layers))
+        self.layers = nn.ModuleList(CausalLayer(width, nhead=2, dim_feedforward=4 * width, dropout=0.0,
+                                                batch_first=True) for _ in range(layers))
         self.head = nn.Linear(width, vocab_size)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(tokens.size(1), device=tokens.device)
         x = self.embedding(tokens)
         for layer in self.layers:
-            x = layer(x, src_mask=mask, is_causal=True)
+            x = layer(x)
         return self.head(x)
 
 
 class TinyEncoderLanguageModel(NextByteMLP):
-    """A family with a tensor-parallel plan: each layer's feed-forward split Megatron-style (attention, whose
-    projection torch keeps as one raw parameter, stays replicated)."""
+    """A family with both optional plans: tensor parallelism splits each layer's feed-forward Megatron-style
+    (attention, whose projection torch keeps as one raw parameter, stays replicated), and pipeline stages are cut
+    between its layers."""
 
     def plain_network(self) -> nn.Module:
         return TinyEncoder(self.hparams.vocab_size)
 
     def tensor_parallel_plan(self) -> TensorParallelPlan:
         return {"layers.*.linear1": "colwise", "layers.*.linear2": "rowwise"}
+
+    def pipeline_split(self) -> PipelineSplit:
+        return PipelineSplit(first=("embedding",), last=("head",), embed=lambda network, x: network.embedding(x),
+                             head=lambda network, x: network.head(x))
 
 
 def family(name: str, comparable_run_args: list[str]) -> list[str]:
@@ -113,23 +126,23 @@ def one_process(tmp_path_factory: pytest.TempPathFactory, comparable_run_args: l
 @pytest.mark.parametrize("name, layout", [("NextByteMLP", DDP_2), ("NextByteMLP", MODEL_PARALLEL),
                                           ("NextByteMLP", ASYNCHRONOUS), ("TinyEncoderLanguageModel", DDP_2),
                                           ("TinyEncoderLanguageModel", MODEL_PARALLEL),
-                                          ("TinyEncoderLanguageModel", TENSOR_PARALLEL)],
+                                          ("TinyEncoderLanguageModel", TENSOR_PARALLEL),
+                                          ("TinyEncoderLanguageModel", PIPELINE)],
                          ids=["mlp-ddp", "mlp-fsdp2", "mlp-asynchronous", "encoder-ddp", "encoder-fsdp2",
-                              "encoder-tensor-parallel"])
+                              "encoder-tensor-parallel", "encoder-pipeline"])
 def test_your_own_family_trains_as_one_process_does(tmp_path: Path, comparable_run_args: list[str],
                                                     one_process: dict[str, Path], name: str, layout: list[str]) -> None:
     """The same validation loss and clipped gradient norm at every step, and the same final weights, as one
-    process: Cohort replicated (DDP), sharded (FSDP2), split (tensor parallel) or served (the asynchronous
-    parameter server) a network it has never seen."""
+    process: Cohort replicated (DDP), sharded (FSDP2), split (tensor parallel), cut into stages (the pipeline) or
+    served (the asynchronous parameter server) a network it has never seen."""
     assert_comparable_runs_agree(one_process[name], fit(tmp_path, family(name, comparable_run_args), *layout))
 
 
 @pytest.mark.parametrize("name, layout, refusal", [
     ("NextByteMLP", TENSOR_PARALLEL, "NextByteMLP has no tensor-parallel plan"),
     ("NextByteMLP", PIPELINE, "NextByteMLP has no pipeline split"),
-    ("TinyEncoderLanguageModel", PIPELINE, "TinyEncoderLanguageModel has no pipeline split"),
     ("OwnBuildMLP", MODEL_PARALLEL, "OwnBuildMLP builds its network in its own configure_model"),
-], ids=["mlp-tensor-parallel", "mlp-pipeline", "encoder-pipeline", "own-build-fsdp2"])
+], ids=["mlp-tensor-parallel", "mlp-pipeline", "own-build-fsdp2"])
 def test_what_your_family_cannot_do_is_refused_before_it_starts(name: str, layout: list[str], refusal: str,
                                                                  comparable_run_args: list[str], tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
