@@ -247,6 +247,9 @@ def read_checkpoint(path: Path, weights_only: bool = True) -> dict[str, Any]:
         raise UserError(f"checkpoint {path} is not a torch checkpoint (truncated or another format): use another one")
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    except RuntimeError:  # torch's reader on a zip archive it did not write
+        raise UserError(f"checkpoint {path} is a zip archive but not a torch checkpoint: pass a checkpoint "
+                        "written by cohort fit") from None
     except pickle.UnpicklingError as error:
         found = re.search(r"GLOBAL ([\w.]+)", str(error))  # torch names the global the pickle asked for
         what = f"'{found.group(1)}'" if found else "a type torch's safe loader does not allow"

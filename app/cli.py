@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
 import torch.distributed as dist
 from jsonargparse import Namespace
 from lightning.fabric.plugins.environments import SLURMEnvironment
@@ -31,7 +32,7 @@ from app.local_updates import LocalUpdates
 from app.monitoring import RankMonitor
 from app.parameter_server import WorkerLost
 from app.preemption import PreemptionCheckpoint, preemption_callback
-from app.preflight import Preflight, check_config
+from app.preflight import Preflight, accelerator_name, check_config, resolve_precision
 from app.progress import StepProgress
 from app.replica_check import ReplicaCheck, ReplicaDivergenceError
 from core.errors import UserError
@@ -154,11 +155,17 @@ class CohortCLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args: list[str] | None) -> None:
         """``--print_config`` prints and exits while parsing; before that, check what the config alone decides, so
-        that a config ``fit`` would refuse is refused here too."""
+        that a config ``fit`` would refuse is refused here too, and one it accepts is accepted: with the precision a
+        run on this machine's CPU would get (16-mixed runs as bf16-mixed there). A GPU config is checked as written:
+        this machine may not be the one it runs on."""
         argv = sys.argv[1:] if args is None else args
         if isinstance(argv, list) and any(arg.startswith("--print_config") for arg in argv):
             config = parser.parse_args([arg for arg in argv if not arg.startswith("--print_config")])
-            check_config(config[config.subcommand] if config.get("subcommand") else config)
+            config = config[config.subcommand] if config.get("subcommand") else config
+            accelerator = accelerator_name(config.trainer)
+            if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
+                config.trainer.precision = resolve_precision(config.trainer.precision, "cpu")
+            check_config(config)
         super().parse_arguments(parser, args)
 
     def before_instantiate_classes(self) -> None:

@@ -9,6 +9,7 @@ model or file exists.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 from jsonargparse import Namespace
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.checkpoints import check_checkpoint, find_last_checkpoint
@@ -23,11 +25,15 @@ from app.gradient_compression import COMPRESSIONS
 from app.local_updates import UPDATE_METHODS
 from app.launch import parent_start_time, torchrun_restart
 from app.parameter_server import check_asynchronous
+from app.strategies import PipelineParallelStrategy
 from core.errors import UserError, check_ranges, check_writable_folder
 from core.run_plan import RunPlan
 from datamodules.prepare import DEFAULT_CORPUS_DIR
 from models.module import CohortModule
 
+# PipelineParallelStrategy's arguments and their defaults: the one place they are written is its signature
+PIPELINE_DEFAULTS = {name: parameter.default for name, parameter in
+                     inspect.signature(PipelineParallelStrategy.__init__).parameters.items() if name != "self"}
 PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
@@ -85,6 +91,9 @@ class Preflight:
         elif config.ckpt_path is None and self.subcommand == "fit" and torchrun_restart() > 0:
             # torchrun restarted the ranks after one failed: continue this job's run, not an older one in the folder
             config.ckpt_path = resume_last(config.trainer, written_since=parent_start_time())
+        if config.ckpt_path is None and self.subcommand == "predict":
+            raise UserError("predict continues prompts with trained weights: pass --ckpt_path with a checkpoint of "
+                            "this model (a run's lightning_logs/version_N/checkpoints/last.ckpt, or last)")
         if config.ckpt_path in (None, "last"):
             return "a new run" if config.ckpt_path is None else "Lightning's own lookup of the last checkpoint"
         path = Path(config.ckpt_path)
@@ -115,6 +124,10 @@ def check_config(config: Namespace) -> RunPlan:
     if trainer.accumulate_grad_batches != 1:
         raise UserError(f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches} is derived here: set "
                         "data.global_batch_size and data.micro_batch_size instead and leave it at 1")
+    every = getattr(config, "val_every_n_steps", None)
+    if every is not None and every < 1:
+        raise UserError(f"val_every_n_steps={every} must be at least 1 (optimizer steps between validations), or null "
+                        "to validate once per epoch")
     check_strategy(trainer.strategy, accelerator_name(trainer))
     pipeline, data_parallel, tensor_parallel = parallel_sizes(trainer)
     world_size = devices_per_node(trainer) * int(trainer.num_nodes)
@@ -216,8 +229,9 @@ def parallel_sizes(trainer: Namespace) -> tuple[int, int, int]:
     name = strategy_name(trainer.strategy)
     sizes = getattr(trainer.strategy, "init_args", Namespace())
     if name.endswith("PipelineParallelStrategy"):
-        return (int(getattr(sizes, "pipeline_parallel_size", 2)), int(getattr(sizes, "data_parallel_size", 1)),
-                int(getattr(sizes, "tensor_parallel_size", 1)))
+        pipeline, data, tensor = (int(getattr(sizes, size, PIPELINE_DEFAULTS[size]))
+                                  for size in ("pipeline_parallel_size", "data_parallel_size", "tensor_parallel_size"))
+        return pipeline, data, tensor
     if is_parameter_server(trainer.strategy):
         return 1, 1, 1  # each update is one global batch, which one worker reads
     if not name.endswith("ModelParallelStrategy"):
@@ -229,23 +243,29 @@ def parallel_sizes(trainer: Namespace) -> tuple[int, int, int]:
 
 
 def pipeline_options(trainer: Namespace) -> dict[str, str | int | tuple[int, ...] | None]:
-    """The schedule, the pipeline micro-batches and the split PipelineParallelStrategy is given (its defaults
-    otherwise)."""
+    """The schedule, the pipeline micro-batches and the split PipelineParallelStrategy is given, as given (the
+    run plan refuses what cannot work); where a field is missing, the strategy's own default."""
     if not strategy_name(trainer.strategy).endswith("PipelineParallelStrategy"):
         return {}
-    options = trainer.strategy.init_args
-    if getattr(options, "save_distributed_checkpoint", True) is False:
+    given = {name: getattr(trainer.strategy.init_args, name, default) for name, default in PIPELINE_DEFAULTS.items()}
+    if given["save_distributed_checkpoint"] is False:
         raise UserError("trainer.strategy.init_args.save_distributed_checkpoint=false would gather one stage's weights "
                         "only: pipelined runs save sharded checkpoints (cohort consolidate makes one file)")
-    stages = int(getattr(options, "pipeline_parallel_size", 2))
-    layers = getattr(options, "pipeline_layers", None)
-    return {"pipeline_schedule": str(getattr(options, "pipeline_schedule", "1F1B")),
-            "pipeline_microbatches": int(getattr(options, "pipeline_microbatches", None) or stages),
+    microbatches, layers = given["pipeline_microbatches"], given["pipeline_layers"]
+    return {"pipeline_schedule": str(given["pipeline_schedule"]),
+            # null means one per stage, as the strategy's docstring says; a number is taken as it is
+            "pipeline_microbatches": int(given["pipeline_parallel_size"]) if microbatches is None else int(microbatches),
             "pipeline_layers": None if layers is None else tuple(int(count) for count in layers)}
 
 
 def check_strategy(strategy: str | Namespace | None, accelerator: str) -> None:
-    """FSDP (version 1) needs GPUs; on CPUs the same sharding runs as FSDP2 under ModelParallelStrategy."""
+    """A strategy named by a word Lightning knows or by a class the parser imported (a class path that imports
+    nothing stays a string); FSDP (version 1) needs GPUs: on CPUs the same sharding runs as FSDP2 under
+    ModelParallelStrategy."""
+    if isinstance(strategy, str) and strategy not in ("auto", *StrategyRegistry.available_strategies()):
+        raise UserError(f"trainer.strategy={strategy!r} is neither a strategy Lightning knows by name (ddp, fsdp, ...) "
+                        "nor a class that can be imported: use a preset from configs/trainer/ or a class path such as "
+                        "lightning.pytorch.strategies.ModelParallelStrategy")
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
     if is_fsdp(strategy) and on_cpu:
         raise UserError("trainer.strategy fsdp needs CUDA GPUs: on CPUs use configs/trainer/model_parallel_cpu.yaml "

@@ -49,10 +49,9 @@ class PipelineParallelStrategy(ModelParallelStrategy):
         """
         super().__init__(data_parallel_size, tensor_parallel_size, save_distributed_checkpoint,
                          process_group_backend, timeout)
+        # the schedule, its micro-batches and the split are the run plan's (app/preflight.py reads them, with the
+        # defaults above, from the config): the stages are built from the plan, not from here
         self.pipeline_parallel_size = pipeline_parallel_size
-        self.pipeline_schedule = pipeline_schedule
-        self.pipeline_microbatches = pipeline_microbatches or pipeline_parallel_size
-        self.pipeline_layers = pipeline_layers
 
     def setup_environment(self) -> None:
         self._setup_distributed()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,16 @@ def test_a_torch_file_that_is_not_a_lightning_checkpoint_is_named(content: objec
     monkeypatch.chdir(tmp_path)
     message = one_line_error(["validate", *debug_run_args, "--ckpt_path", str(path)], monkeypatch)
     assert f"{path} {described}, not a Lightning checkpoint" in message
+
+
+def test_a_zip_archive_that_is_not_a_torch_checkpoint_is_named(tmp_path: Path, debug_run_args: list[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "archive.ckpt"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("notes.txt", "not weights")
+    monkeypatch.chdir(tmp_path)
+    message = one_line_error(["validate", *debug_run_args, "--ckpt_path", str(path)], monkeypatch)
+    assert f"checkpoint {path} is a zip archive but not a torch checkpoint" in message
 
 
 @pytest.mark.slow

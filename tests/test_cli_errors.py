@@ -16,7 +16,7 @@ import torch
 
 from datamodules.prepare import prepare_corpus
 from tests.helpers import (
-    DDP_2, ONE_STEP, QUIET, assert_one_line_error, batch_sizes, fit, last_checkpoint, one_line_error, run_cohort,
+    CONFIG_DIR, DDP_2, ONE_STEP, QUIET, assert_one_line_error, batch_sizes, fit, last_checkpoint, one_line_error, run_cohort,
     run_folders, run_in_process,
 )
 
@@ -167,10 +167,22 @@ def test_checkpoint_of_another_model(tmp_path: Path, debug_run_args: list[str], 
     (["--trainer.num_nodes", "2"], "trainer.num_nodes=2 but no launcher started this process"),
     (["--model", "models.gpt.GPT"], "model.class_path 'models.gpt.GPT' is not a model family Cohort can import"),
     (["--data", "datamodules.nope.Images"], "data.class_path 'datamodules.nope.Images' is not a datamodule"),
+    (["--val_every_n_steps", "0"], "val_every_n_steps=0 must be at least 1"),
+    (["--trainer.strategy", "app.strategies.NoSuchStrategy"],
+     "trainer.strategy='app.strategies.NoSuchStrategy' is neither a strategy Lightning knows by name"),
+    (["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml"), "--trainer.strategy.init_args.pipeline_microbatches", "0"],
+     "pipeline_microbatches=0 is fewer than the 2 pipeline stages"),
 ], ids=lambda value: value if isinstance(value, str) and value.startswith("--") else None)
 def test_out_of_range_settings_stop_in_one_line(flags: list[str], expected: str, fit_args: list[str],
                                                 tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert_one_line_error_in_process([*fit_args, *flags], tmp_path, expected, monkeypatch)
+
+
+def test_predict_without_a_checkpoint_is_refused(debug_run_args: list[str], tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Generating from random weights would print noise and exit 0."""
+    assert_one_line_error_in_process(["predict", *debug_run_args, *QUIET], tmp_path,
+                                     "predict continues prompts with trained weights: pass --ckpt_path", monkeypatch)
 
 
 def test_a_launcher_that_started_other_processes_than_the_config_says(fit_args: list[str], tmp_path: Path,

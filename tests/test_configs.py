@@ -66,6 +66,17 @@ def test_recipe_and_preset_parse_and_pass_the_config_checks(recipe: Path, preset
     assert "class_path: models." in printed and "model_name:" in printed and "global_batch_size:" in printed
 
 
+def test_print_config_accepts_what_fit_accepts_on_this_cpu(capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """16-mixed runs as bf16-mixed on a CPU, which the pipeline takes; only fp16 proper is refused with stages."""
+    args = ["fit", "-c", str(REPO_ROOT / "configs/quickstart.yaml"), "-c", str(REPO_ROOT / "configs/trainer/pipeline_cpu.yaml"),
+            "--trainer.precision", "16-mixed", "--print_config"]
+    with pytest.raises(SystemExit) as exit_info:
+        run_in_process(args, monkeypatch)
+    assert exit_info.value.code in (0, None)
+    assert "PipelineParallelStrategy" in capsys.readouterr().out
+
+
 def test_fsdp_preset_wraps_and_checkpoints_each_transformer_block() -> None:
     """The strategy the fsdp preset builds (constructing it needs no GPU): one FSDP unit per block, GPT's or BERT's."""
     strategy_config = yaml.safe_load((REPO_ROOT / "configs/trainer/fsdp_gpu_bf16.yaml").read_text())["trainer"]["strategy"]
