@@ -190,11 +190,13 @@ def copy_reference_weights(network: nn.Module, seed: int, make_network: Callable
     and buffer into ``network``, each rank its own slice."""
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(derive_seed(seed, "initial weights"))
-        reference = make_network().state_dict()
+        built = make_network()
+    # buffers a state dict leaves out (non-persistent: rotary frequencies) are uninitialised after to_empty too
+    reference = {**dict(built.named_parameters()), **dict(built.named_buffers())}
     for raw_name, tensor in [*network.named_parameters(), *network.named_buffers()]:
         name = raw_name.replace(CHECKPOINT_WRAPPER_PREFIX, "")
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        local.copy_(local_slice(reference[name].to(local.device), tensor))
+        local.copy_(local_slice(reference[name].detach().to(local.device), tensor))
 
 
 def local_slice(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:

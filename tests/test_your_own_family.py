@@ -127,9 +127,10 @@ def one_process(tmp_path_factory: pytest.TempPathFactory, comparable_run_args: l
                                           ("NextByteMLP", ASYNCHRONOUS), ("TinyEncoderLanguageModel", DDP_2),
                                           ("TinyEncoderLanguageModel", MODEL_PARALLEL),
                                           ("TinyEncoderLanguageModel", TENSOR_PARALLEL),
-                                          ("TinyEncoderLanguageModel", PIPELINE)],
+                                          ("TinyEncoderLanguageModel", PIPELINE),
+                                          ("TinyEncoderLanguageModel", ASYNCHRONOUS)],
                          ids=["mlp-ddp", "mlp-fsdp2", "mlp-asynchronous", "encoder-ddp", "encoder-fsdp2",
-                              "encoder-tensor-parallel", "encoder-pipeline"])
+                              "encoder-tensor-parallel", "encoder-pipeline", "encoder-asynchronous"])
 def test_your_own_family_trains_as_one_process_does(tmp_path: Path, comparable_run_args: list[str],
                                                     one_process: dict[str, Path], name: str, layout: list[str]) -> None:
     """The same validation loss and clipped gradient norm at every step, and the same final weights, as one
