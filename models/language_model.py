@@ -78,11 +78,6 @@ class GPTLanguageModel(CohortModule):
     def plain_network(self) -> GPT:
         return GPT(self.config)
 
-    def example_batch(self, micro_batch_size: int, sequence_length: int,
-                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.zeros(micro_batch_size, sequence_length, dtype=torch.long, device=device)
-        return tokens, tokens
-
     def batch_loss(self, network: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch
         return F.cross_entropy(network(inputs).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)

@@ -3,9 +3,9 @@ the doctor, the monitor, checkpoints) talks to, and the optimizer, learning-rate
 train with.
 
 A family (``models/language_model.py`` for GPT, ``models/masked_language_model.py`` for BERT,
-``models/image_classifier.py`` for the ResNet, or one of your own) subclasses ``CohortModule`` and says, in three
-methods, how to build its plain network, what one micro-batch looks like and what its loss is; optionally its
-tensor-parallel plan and its pipeline stages. Cohort builds the network (``configure_model``: on the meta device,
+``models/image_classifier.py`` for the ResNet, or one of your own) subclasses ``CohortModule`` and says how to build
+its plain network and what its loss on one micro-batch is (and, unless its inputs are token ids, what a micro-batch
+looks like); optionally its tensor-parallel plan and where its network may be cut into pipeline stages. Cohort builds the network (``configure_model``: on the meta device,
 parallelised as the strategy says, initialised from the seed), and its default steps train and validate any
 family. The config picks the family by ``model.class_path`` (LightningCLI's subclass mode); nothing else in Cohort
 names a family.
@@ -28,7 +28,6 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch.utils.flop_counter import FlopCounterMode
 from torchmetrics import MeanMetric
 
-from core.errors import UserError
 from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
@@ -76,8 +75,10 @@ class CohortModule(L.LightningModule):
 
     def example_batch(self, micro_batch_size: int, sequence_length: int, device: torch.device) -> Any:
         """A micro-batch of the shape training sees (content does not matter), for counting FLOPs and memory;
-        ``sequence_length`` is the data's (the run plan's), which families without sequences ignore."""
-        raise NotImplementedError
+        ``sequence_length`` is the data's (the run plan's), which families without sequences ignore. This one is
+        a language model's: (token ids, next-token targets), each (B, T); other inputs need their own."""
+        tokens = torch.zeros(micro_batch_size, sequence_length, dtype=torch.long, device=device)
+        return tokens, tokens
 
     def batch_loss(self, network: nn.Module, batch: Any) -> torch.Tensor:
         """The mean loss of one micro-batch (as ``prepare_batch`` gives it; ``example_batch`` is one) through

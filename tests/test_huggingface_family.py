@@ -35,11 +35,6 @@ class TinyLlama(CohortModule):
                                           max_position_embeddings=64, attn_implementation="sdpa")
         return transformers.LlamaForCausalLM(config)
 
-    def example_batch(self, micro_batch_size: int, sequence_length: int,
-                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.zeros(micro_batch_size, sequence_length, dtype=torch.long, device=device)
-        return tokens, tokens
-
     def batch_loss(self, network: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch
         logits = network(input_ids=inputs).logits

@@ -11,7 +11,7 @@ import pytest
 from tests.helpers import (
     MODEL_PARALLEL, QUIET, assert_comparable_runs_agree, assert_one_line_error,
     assert_sharded_resume_after_sigkill_is_bitwise_exact, assert_weights_agree, fit, last_checkpoint,
-    last_checkpoint_weights, run_cohort, validate,
+    run_cohort, validate,
 )
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,5 @@
-"""A family of one's own, written here as a user writes it (outside models/, named by model.class_path): its network,
-its loss and an example batch. Under every CPU preset it either trains as one process does or is refused with one
+"""A family of one's own, written here as a user writes it (outside models/, named by model.class_path): its network
+and its loss. Under every CPU preset it either trains as one process does or is refused with one
 line before anything starts; a family that builds its network in its own configure_model, which Cohort cannot
 shard, is refused under the sharded strategies, and caught at run time should it get past the config checks."""
 
@@ -41,11 +41,6 @@ class NextByteMLP(CohortModule):
         vocab_size, hidden_size = self.hparams.vocab_size, self.hparams.hidden_size
         return nn.Sequential(nn.Embedding(vocab_size, 32), nn.Linear(32, hidden_size), nn.GELU(),
                              nn.Linear(hidden_size, vocab_size))
-
-    def example_batch(self, micro_batch_size: int, sequence_length: int,
-                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.zeros(micro_batch_size, sequence_length, dtype=torch.long, device=device)
-        return tokens, tokens
 
     def batch_loss(self, network: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch
