@@ -17,8 +17,9 @@ from core.seeding import derive_seed
 from core.tokens import IGNORE_INDEX
 from models.masked_language_model import BertMaskedLanguageModel
 from tests.helpers import (COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_comparable_runs_agree,
-                           assert_weights_agree, assert_weights_equal, fit, fit_killed_mid_accumulation,
-                           last_checkpoint, last_checkpoint_weights, one_line_error, scalars)
+                           adam_weight_drift, assert_weights_agree, assert_weights_equal, fit,
+                           fit_killed_mid_accumulation, last_checkpoint, last_checkpoint_contents,
+                           last_checkpoint_weights, one_line_error, scalars)
 
 BERT = ["-c", str(CONFIG_DIR / "bert-small/pretrain.yaml")]
 DIGITS = ["-c", str(CONFIG_DIR / "resnet-small/digits.yaml")]
@@ -79,6 +80,37 @@ def digits_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("digits")
     return {"one": fit(root / "one", digits_run(DIGITS_STEPS)),
             "two": fit(root / "two", [*digits_run(DIGITS_STEPS), *DDP_2]), "short": fit(root / "short", digits_run(8))}
+
+
+# the digits without augmentation (whose draws follow the rank), with clipping that bites, 6 steps
+UNAUGMENTED_DIGITS = [*digits_run(6), "--data.crop_padding", "0", "--data.rotation_degrees", "0",
+                      "--trainer.gradient_clip_val", "0.1"]
+BATCH_NORM_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    DDP_2, MODEL_PARALLEL,
+    ["-c", str(CONFIG_DIR / "trainer/async_ps_cpu.yaml"), "--trainer.devices", "2",
+     "--trainer.strategy.init_args.max_staleness", "0", "--trainer.strategy.init_args.staleness_policy", "drop"],
+], ids=["ddp", "fsdp2", "asynchronous-one-worker"])
+def test_the_classifier_trains_as_one_process_does(tmp_path: Path, layout: list[str]) -> None:
+    """Without augmentation every layout reads the same images in the same micro-batches of 32, so BatchNorm
+    normalises the same groups: the same clipped gradient norm at every step and the same weights as one process.
+    Not the BatchNorms' running statistics, which only validation reads: DDP keeps rank 0's (its broadcast_buffers),
+    FSDP2 each rank its own, so they are left out, and so is the validation loss."""
+    one = fit(tmp_path / "one", UNAUGMENTED_DIGITS)
+    other = fit(tmp_path / "other", [*UNAUGMENTED_DIGITS, *layout])
+    norms = scalars(one, "train/grad_norm")
+    assert len(norms) == 6 and min(norms) > 0.1  # clipping bites at every step
+    assert scalars(other, "train/grad_norm") == pytest.approx(norms, rel=1e-4)
+    expected, trained = last_checkpoint_contents(one), last_checkpoint_contents(other)
+    drift = adam_weight_drift(expected)
+    weights = [name for name in expected["state_dict"] if not name.endswith(BATCH_NORM_STATISTICS)]
+    assert weights and trained["state_dict"].keys() == expected["state_dict"].keys()
+    for name in weights:
+        torch.testing.assert_close(trained["state_dict"][name], expected["state_dict"][name], rtol=0, atol=drift,
+                                   msg=name)
 
 
 def test_masks_differ_across_ranks_and_steps_and_repeat_for_the_same_coordinates() -> None:
