@@ -48,9 +48,11 @@ class Preflight:
         self.plan: RunPlan | None = None
 
     def checks(self) -> list[tuple[str, Callable[[], str]]]:
-        """(name, check) pairs; each check returns one line on what it found."""
-        return [("world size", self.check_world_size), ("precision", self.check_precision),
-                ("run plan", self.check_run_plan), ("checkpoint", self.check_resume), ("folders", self.check_folders)]
+        """(name, step) pairs; each returns one line on what it found. The resolve_* steps also write what they
+        resolved into the config: the precision this device runs, the checkpoint ``--ckpt_path last`` names."""
+        return [("world size", self.check_world_size), ("precision", self.resolve_trainer_precision),
+                ("run plan", self.check_run_plan), ("checkpoint", self.resolve_checkpoint),
+                ("folders", self.check_folders)]
 
     def run(self) -> RunPlan:
         for _, check in self.checks():
@@ -63,7 +65,7 @@ class Preflight:
         check_launch(trainer)
         return f"{devices_per_node(trainer)} devices x {trainer.num_nodes} nodes"
 
-    def check_precision(self) -> str:
+    def resolve_trainer_precision(self) -> str:
         trainer = self.config.trainer
         trainer.precision = resolve_precision(trainer.precision, accelerator_name(trainer))
         return trainer.precision
@@ -79,7 +81,7 @@ class Preflight:
                             "cohort consolidate on the checkpoint, then predict on one process (configs/trainer/cpu.yaml)")
         return self.plan.describe()
 
-    def check_resume(self) -> str:
+    def resolve_checkpoint(self) -> str:
         """Resolve ``--ckpt_path last`` (and a torchrun restart's own run) and read the checkpoint's header."""
         config = self.config
         if "ckpt_path" not in config:  # cohort doctor: no subcommand, nothing to resume
@@ -87,10 +89,10 @@ class Preflight:
         if config.weights_only is None:  # checkpoints are data: refuse a pickle that asks for code, whatever torch's default
             config.weights_only = True
         if config.ckpt_path == "last":
-            config.ckpt_path = resume_last(config.trainer)
+            config.ckpt_path = continue_last_run(config.trainer)
         elif config.ckpt_path is None and self.subcommand == "fit" and torchrun_restart() > 0:
             # torchrun restarted the ranks after one failed: continue this job's run, not an older one in the folder
-            config.ckpt_path = resume_last(config.trainer, written_since=parent_start_time())
+            config.ckpt_path = continue_last_run(config.trainer, written_since=parent_start_time())
         if config.ckpt_path is None and self.subcommand == "predict":
             raise UserError("predict continues prompts with trained weights: pass --ckpt_path with a checkpoint of "
                             "this model (a run's lightning_logs/version_N/checkpoints/last.ckpt, or last)")
@@ -403,7 +405,7 @@ def check_launch(trainer: Namespace) -> None:
                         "--ntasks-per-node = devices, --nodes = num_nodes)")
 
 
-def resume_last(trainer_config: Namespace, written_since: float = 0.0) -> str | None:
+def continue_last_run(trainer_config: Namespace, written_since: float = 0.0) -> str | None:
     """Resolve ``--ckpt_path last`` to the newest run's last.ckpt, if written after ``written_since`` (seconds since
     the epoch), and log into that run's folder again."""
     root = log_root(trainer_config)
