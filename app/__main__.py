@@ -1,13 +1,13 @@
-"""``python -m app ...`` is the ``cohort`` command: the Lightning subcommands (app/cli.py) and Cohort's own, one line
-each in app/commands.py (``cohort --help`` prints them).
+"""``python -m app ...`` is the ``cohort`` command: the Lightning subcommands (app/cli/lightning_cli.py) and Cohort's
+own, one line each in app/cli/commands.py (``cohort --help`` prints them).
 
     cohort prepare my_texts/ --out data/my_corpus                           # text -> train.bin, val.bin
     cohort fit -c configs/quickstart.yaml                                   # 1 CPU process, embedded corpus
     cohort fit -c configs/quickstart.yaml -c configs/trainer/ddp_cpu.yaml   # the same run on 2 processes
     cohort fit -c configs/quickstart.yaml --ckpt_path last                  # resume the newest run
     cohort predict -c configs/quickstart.yaml --ckpt_path last              # generate text from it
-    torchrun --nproc_per_node=2 -m app comm                                 # collective bandwidth (app/comm.py)
-    torchrun --nproc_per_node=2 -m app doctor -c ...                        # pre-flight checks (app/doctor.py)
+    torchrun --nproc_per_node=2 -m app comm                                 # collective bandwidth (app/tools/comm.py)
+    torchrun --nproc_per_node=2 -m app doctor -c ...                        # pre-flight checks (app/tools/doctor.py)
     cohort consolidate lightning_logs/version_0/checkpoints/last.ckpt       # sharded folder -> one file
     cohort export lightning_logs/version_0/checkpoints/last.ckpt --out hf    # -> a Hugging Face GPT-2 folder
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import warnings
 
-from app.commands import COMMANDS, help_text
+from app.cli.commands import COMMANDS, help_text
 
 
 def main(args: list[str] | None = None) -> None:
@@ -31,8 +31,8 @@ def main(args: list[str] | None = None) -> None:
         sys.exit(f"cohort: error: unknown command {command!r}: use one of {', '.join(COMMANDS)} "
                  "(cohort --help says what each does)")
     # imported only here, so that the overview and the error above come without loading torch and Lightning
-    from app import comm, consolidate, doctor, export
-    from app.cli import run_cli, run_reporting_errors
+    from app.cli.lightning_cli import run_cli, run_reporting_errors
+    from app.tools import comm, consolidate, doctor, export
     from datamodules import prepare
 
     if command == "comm":

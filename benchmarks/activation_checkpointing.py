@@ -22,8 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from models.gpt import GPT, gpt_config
-from models.optimizer import weight_decay_groups
 from models.language_model import build_gpt
+from models.optimizer import weight_decay_groups
 
 
 class StoragesCreated(TorchDispatchMode):

@@ -1,4 +1,4 @@
-"""What asynchronous training (app/parameter_server.py) gains over synchronous DDP when one worker is slow.
+"""What asynchronous training (app/strategies/parameter_server/) gains over synchronous DDP when one worker is slow.
 
     python -m benchmarks.async_training                 # 120 updates each, one worker 3x slower
     python -m benchmarks.async_training --learning-rate 1e-3 --runs "async, max_staleness 1, scale"

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from models.gpt import GPT, gpt_config
-from models.optimizer import weight_decay_groups
 from models.language_model import build_gpt
+from models.optimizer import weight_decay_groups
 from models.parallelize import clip_grad_norm_
 
 LEARNING_RATE = 1e-4

@@ -7,7 +7,7 @@
 The data are random GPT-2 token ids written to a temporary folder (throughput does not depend on what the
 tokens say). Each run trains ``--steps`` optimizer steps with the monitor on; tokens/s and MFU are the medians
 of its TensorBoard windows after the first (which holds compilation and warm-up). MFU is against the dense
-peak of app/flops.py (989 TFLOP/s bf16 for H100 and H200). Issue #3's goal: MFU >= 50% for the single run;
+peak of app/observability/flops.py (989 TFLOP/s bf16 for H100 and H200). Issue #3's goal: MFU >= 50% for the single run;
 the sharded runs on one device are a sanity check (same work, plus their bookkeeping).
 """
 

@@ -1,5 +1,5 @@
-"""What gradient compression (app/gradient_compression.py) and local updates (app/local_updates.py) save and cost:
-plain DDP, PowerSGD, bf16, local SGD and DiLoCo side by side.
+"""What gradient compression (app/strategies/gradient_compression.py) and local updates
+(app/strategies/local_updates.py) save and cost: plain DDP, PowerSGD, bf16, local SGD and DiLoCo side by side.
 
     python -m benchmarks.gradient_compression                       # 2 CPU processes, quickstart's small GPT
     python -m benchmarks.gradient_compression --steps 96 --methods none powersgd local_sgd diloco

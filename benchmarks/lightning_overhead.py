@@ -104,8 +104,8 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
     from datamodules.samplers import GlobalBatchSampler
     from datamodules.token_files import TokenWindows
     from models.gpt import gpt_config
-    from models.optimizer import warmup_cosine_schedule, weight_decay_groups
     from models.language_model import build_gpt
+    from models.optimizer import warmup_cosine_schedule, weight_decay_groups
 
     # what GPTLanguageModel.configure_model builds: the same weights from the same seed
     model = build_gpt(gpt_config(args.model, vocab_size=256, dropout=0.0), torch.device("cpu"), seed=SEED)

@@ -1,4 +1,4 @@
-"""app/memory.py's estimate against the measured peak memory of real training steps, one fresh process per row,
+"""app/tools/memory.py's estimate against the measured peak memory of real training steps, one fresh process per row,
 for every model family, through the same CohortModule calls as ``cohort doctor``.
 
     python -m benchmarks.memory_estimate               # every row; about 10 minutes on 2 idle CPU cores
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from app.memory import MemoryEstimate, estimate_memory, module_step_loss
+from app.tools.memory import MemoryEstimate, estimate_memory, module_step_loss
 from models.image_classifier import ImageClassifier
 from models.language_model import GPTLanguageModel
 from models.masked_language_model import BertMaskedLanguageModel
@@ -129,7 +129,7 @@ def build_module(model: Model, activation_checkpointing: bool = False) -> Cohort
 
 
 def estimate(row: Row, device_type: str) -> MemoryEstimate:
-    """What ``cohort doctor`` (app/doctor.py ``check_memory``) estimates for this row."""
+    """What ``cohort doctor`` (app/tools/doctor.py ``check_memory``) estimates for this row."""
     model = MODELS[row.model]
     module = build_module(model, row.activation_checkpointing)
     return estimate_memory(module.plain_network, module_step_loss(module, model.sequence_length),

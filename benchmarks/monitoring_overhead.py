@@ -1,4 +1,4 @@
-"""What the per-rank monitor (app/monitoring.py) costs: step time with it and without it, side by side.
+"""What the per-rank monitor (app/observability/monitor.py) costs: step time with it and without it, side by side.
 
     python -m benchmarks.monitoring_overhead                    # 2 CPU processes (DDP, gloo), small model
     python -m benchmarks.monitoring_overhead --processes 1 --repeats 6
@@ -29,7 +29,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from app.monitoring import RankMonitor
+from app.observability.monitor import RankMonitor
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HOOKS = ("on_train_batch_start", "on_after_backward", "on_train_batch_end", "on_validation_start",

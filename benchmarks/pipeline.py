@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from models.gpt import GPTConfig, gpt_config
-from models.optimizer import weight_decay_groups
 from models.language_model import GPT_PIPELINE_SPLIT, build_gpt
+from models.optimizer import weight_decay_groups
 from models.pipeline import Pipeline, rank_stages, theoretical_bubble
 
 SEED = 1337
@@ -126,7 +126,7 @@ def pipeline_timing_on_rank(rank: int, port: int, schedule: str, microbatches: i
     inputs, targets = batch(TIMING_CONFIG, samples)
     bubbles, busy = [], []
 
-    def step() -> None:  # the monitor's measure (app/monitoring.py): 1 - compute / the longest schedule time
+    def step() -> None:  # the monitor's measure (app/observability/monitor.py): 1 - compute / the longest schedule time
         compute, scheduled = pipeline.compute_seconds, pipeline.schedule_seconds
         pipeline.train_step(inputs, targets, accumulation=1)
         times = torch.tensor([pipeline.compute_seconds - compute, pipeline.schedule_seconds - scheduled])

@@ -29,8 +29,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from models.gpt import gpt_config
-from models.optimizer import weight_decay_groups
 from models.language_model import build_gpt
+from models.optimizer import weight_decay_groups
 
 
 def local_bytes(tensor: torch.Tensor) -> int:

@@ -1,4 +1,4 @@
-"""The run plan: the shape of one run, resolved once from the config and the launcher (``app/preflight.py``) and
+"""The run plan: the shape of one run, resolved once from the config and the launcher (``app/cli/preflight.py``) and
 handed to the data, the model, the callbacks and ``cohort doctor``, so that none of them works it out again.
 
     world size   = devices per node x nodes = pipeline stages x data-parallel x tensor-parallel
@@ -37,8 +37,8 @@ class RunPlan:
     pipeline_microbatches: int = 1  # pipeline micro-batches each micro batch is cut into
     pipeline_layers: tuple[int, ...] | None = None  # blocks of each stage, in stage order; None: balanced by count
     unit: str = "tokens"  # what throughput counts: tokens of text, or "images" (sequence_length 1: one per sample)
-    # workers of an asynchronous run (app/parameter_server.py), rank 0 being the server; 0: the ranks step together.
-    # Each update is one global batch that one worker computes: the data-parallel size is then 1
+    # workers of an asynchronous run (app/strategies/parameter_server/), rank 0 being the server; 0: the ranks step
+    # together. Each update is one global batch that one worker computes: the data-parallel size is then 1
     asynchronous_workers: int = 0
 
     def __post_init__(self) -> None:
@@ -102,6 +102,11 @@ class RunPlan:
     @property
     def world_size(self) -> int:
         return self.devices_per_node * self.num_nodes
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether the ranks train without meeting (so each decides on its own rank's word)."""
+        return self.asynchronous_workers > 0
 
     @property
     def stages_per_rank(self) -> int:

@@ -26,8 +26,9 @@ from core.run_plan import RunPlan
 from core.tokens import IGNORE_INDEX
 from datamodules.augmentation import Augmentation, augment_image, augmentation_seed
 from datamodules.base import ShardedDataModule
-from datamodules.image_files import (ImageFolder, LabelledImages, load_digits, read_images, scan_image_folder,
-                                     split_for_validation)
+from datamodules.image_files import (
+    ImageFolder, LabelledImages, load_digits, read_images, scan_image_folder, split_for_validation,
+)
 from datamodules.samplers import GlobalBatchSampler
 from datamodules.token_files import PADDING_INDEX
 

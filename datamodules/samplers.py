@@ -42,7 +42,7 @@ class GlobalBatchSampler(Sampler[int]):
         self.rank = data_parallel_rank
         self.current_step = current_step
         self.steps_per_epoch = num_samples // plan.global_batch_size
-        # an asynchronous worker's steps, handed out by the parameter server (app/parameter_server.py) until it
+        # an asynchronous worker's steps, handed out by the parameter server (app/strategies/parameter_server/) until it
         # says stop: then the stream has no length, and no epochs
         self.assigned_steps: Callable[[], Iterator[int]] | None = None
 

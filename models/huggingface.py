@@ -9,7 +9,7 @@
     lm_head (tied to wte)            lm_head, tied to wte by tie_word_embeddings: not stored
 
 GPT-2's projections are ``Conv1D`` modules, whose weight is stored transposed: (in_features, out_features).
-Pure tensor code; writing the files and reading the checkpoint are app/export.py's.
+Pure tensor code; writing the files and reading the checkpoint are app/tools/export.py's.
 """
 
 from __future__ import annotations

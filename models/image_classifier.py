@@ -22,7 +22,6 @@ from models.module import CohortModule
 from models.optimizer import OptimizerSettings
 from models.resnet import ResNet, resnet_config
 
-
 # a short warmup and a high peak for a network with batch norms, decayed to 0
 RESNET_OPTIMIZER = OptimizerSettings(learning_rate=1e-2, min_learning_rate_ratio=0.0, weight_decay=5e-4,
                                      betas=(0.9, 0.999), warmup_steps=10)

@@ -50,7 +50,7 @@ class CohortModule(L.LightningModule):
     """The base of every model family. Subclasses give ``plain_network``, ``example_batch`` and ``batch_loss``, and
     pass their ``optimizer`` settings on (a family with hyperparameters of its own calls ``save_hyperparameters()``);
     Cohort builds ``self.model`` from them. A family that writes its own ``configure_model`` is refused under the
-    strategies that must shard or split its network (``app/preflight.py``)."""
+    strategies that must shard or split its network (``app/cli/preflight.py``)."""
 
     commands: ClassVar[tuple[str, ...]] = ("fit", "validate")  # the Lightning subcommands the family has steps for
 
@@ -112,7 +112,7 @@ class CohortModule(L.LightningModule):
 
     @classmethod
     def check_config(cls, model: Namespace, data: Namespace, plan: RunPlan) -> None:
-        """UserErrors for what this family cannot do with the config's sizes (``app/preflight.py`` calls this before
+        """UserErrors for what this family cannot do with the config's sizes (``app/cli/preflight.py`` calls this before
         anything is built, and ``--print_config`` too)."""
 
     # ----- shared by every family -----

@@ -225,8 +225,8 @@ def theoretical_bubble(ranks: int, n_microbatches: int, stages_per_rank: int = 1
 
 class TimedStage(PipelineStage):
     """A PipelineStage that adds up the time it computes (forward and backward of its chunks), so that the time it
-    waits on its neighbours is the rest of the schedule's: the measured pipeline bubble (app/monitoring.py). On
-    GPUs the chunks are timed with CUDA events, read when ``busy_seconds`` is, so timing never stalls the stream."""
+    waits on its neighbours is the rest of the schedule's: the measured pipeline bubble (app/observability/monitor.py).
+    On GPUs the chunks are timed with CUDA events, read when ``busy_seconds`` is, so timing never stalls the stream."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -12,22 +12,22 @@ import re
 import signal
 import socket
 import subprocess
-import time
 import sys
-from pathlib import Path
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from torch.distributed.tensor import DTensor
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.distributed.tensor import DTensor
 
 from app.__main__ import main
-from app.checkpoints import consolidate
+from app.safety.checkpoints import consolidate
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -370,7 +370,7 @@ class GradientAllReduceCounter(Callback):
         self.reducing_batches: set[int] = set()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from app.gradient_compression import registered_compression
+        from app.strategies.gradient_compression import registered_compression
 
         def count(bucket: torch.distributed.GradBucket) -> None:
             self.reducing_batches.add(self.batch_idx)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.bad_steps import MIN_SPIKE_HISTORY, BadStepGuard
-from app.checkpoints import read_checkpoint
+from app.safety.bad_steps import MIN_SPIKE_HISTORY, BadStepGuard
+from app.safety.checkpoints import read_checkpoint
 from tests.helpers import (
     DDP_2, MODEL_PARALLEL, QUIET, assert_only_step_skipped, batch_sizes, one_line_error, poison_gradient,
     record_weight_digests, run_cohort, run_in_process, scalars, weight_digests, weight_digests_per_rank,

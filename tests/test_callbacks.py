@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed.distributed_c10d
 
-from app.callbacks import NcclFlightRecorder, PerRankSeed
-from app.checkpoints import replace_path
+from app.observability.flight_recorder import NcclFlightRecorder
+from app.safety.checkpoints import replace_path
+from app.safety.determinism import PerRankSeed
 from core.run_plan import RunPlan
 
 

@@ -14,11 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from app.checkpoints import optimizer_state_by_name, optimizer_state_by_position, parameter_names
+from app.safety.checkpoints import optimizer_state_by_name, optimizer_state_by_position, parameter_names
 from models.gpt import gpt_config
-from models.language_model import GPTLanguageModel
+from models.language_model import GPTLanguageModel, build_gpt
 from models.optimizer import weight_decay_groups
-from models.language_model import build_gpt
 from tests.helpers import DDP_2, QUIET, fit, one_line_error, run_cohort
 
 

@@ -16,8 +16,8 @@ import torch
 
 from datamodules.prepare import prepare_corpus
 from tests.helpers import (
-    CONFIG_DIR, DDP_2, ONE_STEP, QUIET, assert_one_line_error, batch_sizes, fit, last_checkpoint, one_line_error, run_cohort,
-    run_folders, run_in_process,
+    CONFIG_DIR, DDP_2, ONE_STEP, QUIET, assert_one_line_error, batch_sizes, fit, last_checkpoint, one_line_error,
+    run_cohort, run_folders, run_in_process,
 )
 
 
@@ -168,8 +168,8 @@ def test_checkpoint_of_another_model(tmp_path: Path, debug_run_args: list[str], 
     (["--model", "models.gpt.GPT"], "model.class_path 'models.gpt.GPT' is not a model family Cohort can import"),
     (["--data", "datamodules.nope.Images"], "data.class_path 'datamodules.nope.Images' is not a datamodule"),
     (["--val_every_n_steps", "0"], "val_every_n_steps=0 must be at least 1"),
-    (["--trainer.strategy", "app.strategies.NoSuchStrategy"],
-     "trainer.strategy='app.strategies.NoSuchStrategy' is neither a strategy Lightning knows by name"),
+    (["--trainer.strategy", "app.strategies.pipeline.NoSuchStrategy"],
+     "trainer.strategy='app.strategies.pipeline.NoSuchStrategy' is neither a strategy Lightning knows by name"),
     (["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml"), "--trainer.strategy.init_args.pipeline_microbatches", "0"],
      "pipeline_microbatches=0 is fewer than the 2 pipeline stages"),
 ], ids=lambda value: value if isinstance(value, str) and value.startswith("--") else None)

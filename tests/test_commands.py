@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from app.__main__ import main
-from app.commands import COMMANDS, LIGHTNING_COMMANDS, help_text
+from app.cli.commands import COMMANDS, LIGHTNING_COMMANDS, help_text
 from tests.helpers import REPO_ROOT, one_line_error
 
 EVERY_COMMAND = ["fit", "validate", "test", "predict", "prepare", "doctor", "comm", "consolidate", "export"]

@@ -1,5 +1,5 @@
-"""Gradient compression for DDP (app/gradient_compression.py): real 2-process runs over gloo, one per method, shared by
-the tests; a PowerSGD run resumed from a checkpoint; the mistakes refused before start."""
+"""Gradient compression for DDP (app/strategies/gradient_compression.py): real 2-process runs over gloo, one per method,
+shared by the tests; a PowerSGD run resumed from a checkpoint; the mistakes refused before start."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from jsonargparse import Namespace
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
 
-from app.preflight import check_compression
+from app.cli.preflight import check_compression
 from core.errors import UserError
 from tests.helpers import (
     CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_weights_equal, batch_sizes, fit, last_checkpoint, last_checkpoint_weights,
@@ -123,7 +123,7 @@ def test_powersgd_resumes_with_its_state(tmp_path: Path, trained: Callable[[str]
      "gradient_compression.method=bf16 compresses DDP's gradient all-reduce, but trainer.strategy is "
      "lightning.pytorch.strategies.ModelParallelStrategy"),
     (["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml"), "--gradient_compression.method", "powersgd"],
-     "but trainer.strategy is app.strategies.PipelineParallelStrategy"),
+     "but trainer.strategy is app.strategies.pipeline.PipelineParallelStrategy"),
 ], ids=["unknown", "rank", "start-step", "model_parallel", "pipeline"])
 def test_mistakes_are_refused_before_start_in_one_line(flags: list[str], expected: str, debug_run_args: list[str],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,7 +24,6 @@ from datamodules.samplers import EvenShardSampler, GlobalBatchSampler
 from datamodules.token_files import PADDING_INDEX, TokenWindows, check_token_file, check_token_folder
 from models.gpt import GPT, gpt_config
 
-
 STEPS_PER_EPOCH = 200 // 16
 
 

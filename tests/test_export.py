@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from app.__main__ import main
-from app.checkpoints import consolidate
+from app.safety.checkpoints import consolidate
 from core.errors import UserError
 from models.gpt import GPTConfig
 from models.huggingface import huggingface_gpt2_state_dict

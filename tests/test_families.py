@@ -11,15 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.doctor import main as doctor
+from app.tools.doctor import main as doctor
 from core.run_plan import RunPlan
 from core.seeding import derive_seed
 from core.tokens import IGNORE_INDEX
 from models.masked_language_model import BertMaskedLanguageModel
-from tests.helpers import (COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_comparable_runs_agree,
-                           adam_weight_drift, assert_weights_agree, assert_weights_equal, fit,
-                           fit_killed_mid_accumulation, last_checkpoint, last_checkpoint_contents,
-                           last_checkpoint_weights, one_line_error, scalars)
+from tests.helpers import (
+    COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, adam_weight_drift, assert_comparable_runs_agree,
+    assert_weights_agree, assert_weights_equal, fit, fit_killed_mid_accumulation, last_checkpoint,
+    last_checkpoint_contents, last_checkpoint_weights, one_line_error, scalars,
+)
 
 BERT = ["-c", str(CONFIG_DIR / "bert-small/pretrain.yaml")]
 DIGITS = ["-c", str(CONFIG_DIR / "resnet-small/digits.yaml")]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from app.__main__ import main
-from app.checkpoints import consolidate
+from app.safety.checkpoints import consolidate
 from tests.helpers import QUIET, REPO_ROOT, fit, last_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -77,5 +77,5 @@ def test_load_from_checkpoint_generates_what_predict_generates(
     monkeypatch.chdir(tmp_path)  # predict's own lightning_logs
     monkeypatch.setattr(sys, "argv", ["cohort"])
     main(["predict", *run_args, *QUIET, "--ckpt_path", str(checkpoints[layout])])
-    printed = capsys.readouterr().out  # app/callbacks.py PrintPredictions: the header, the prompt, its continuation
+    printed = capsys.readouterr().out  # app/cli/samples.py PrintPredictions: the header, the prompt, its continuation
     assert printed == f"--- prompt 0 (rank 0) ---\n{PROMPT}{loaded[layout]['text']}\n"

@@ -1,5 +1,5 @@
-"""Local SGD and DiLoCo (app/local_updates.py): real 2-process runs over gloo, shared by the tests; a DiLoCo run
-resumed from a checkpoint; the mistakes refused before start."""
+"""Local SGD and DiLoCo (app/strategies/local_updates.py): real 2-process runs over gloo, shared by the tests; a DiLoCo
+run resumed from a checkpoint; the mistakes refused before start."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from tests.helpers import (
     CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_comparable_runs_agree, assert_weights_agree, assert_weights_equal,
-    batch_sizes, fit, last_checkpoint,
-    last_checkpoint_weights, one_line_error, record_weight_digests, scalars, weight_digests_per_rank,
+    batch_sizes, fit, last_checkpoint, last_checkpoint_weights, one_line_error, record_weight_digests, scalars,
+    weight_digests_per_rank,
 )
 
 STEPS = 8
@@ -71,7 +71,7 @@ def test_local_sgd_with_one_step_between_syncs_is_ddp(trained: Callable[[str], P
     """H = 1 all-reduces the gradient at every step, as DDP: it trains as one process does, as DDP's runs do (the
     same validation loss and weights up to the order of sums), and sends every gradient at every step. (Averaging
     parameters after each rank's own AdamW step would not be DDP: Adam's per-rank moments and local clipping make it
-    another update; app/local_updates.py says why it is not done.)"""
+    another update; app/strategies/local_updates.py says why it is not done.)"""
     local = trained("local_sgd H=1")
     assert_comparable_runs_agree(one_process_comparable_run, local)
     weights = {tensor.data_ptr(): tensor for tensor in last_checkpoint_weights(local).values()}
@@ -150,7 +150,7 @@ def test_diloco_resumes_with_its_outer_state(tmp_path: Path, trained: Callable[[
      "local_updates.method=diloco lets each DDP replica step on its own, but trainer.strategy is "
      "lightning.pytorch.strategies.ModelParallelStrategy"),
     (["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml"), *local_updates("local_sgd", 4)],
-     "but trainer.strategy is app.strategies.PipelineParallelStrategy"),
+     "but trainer.strategy is app.strategies.pipeline.PipelineParallelStrategy"),
     ([*local_updates("local_sgd", 4), "--gradient_compression.method", "powersgd"],
      "local_updates.method=local_sgd all-reduces no gradients, so gradient_compression.method=powersgd would have "
      "nothing to compress"),
@@ -165,6 +165,7 @@ def test_mistakes_are_refused_before_start_in_one_line(flags: list[str], expecte
 
 
 def test_lightning_still_registers_its_model_averaging_on_cuda_only() -> None:
-    """Why app/local_updates.py exists: DDPStrategy(model_averaging_period=...) needs its PostLocalSGDState comm hook,
-    which Lightning registers only on CUDA. Should an upgrade lift that, Cohort's own could give way to it."""
+    """Why app/strategies/local_updates.py exists: DDPStrategy(model_averaging_period=...) needs its PostLocalSGDState
+    comm hook, which Lightning registers only on CUDA. Should an upgrade lift that, Cohort's own could give way to
+    it."""
     assert 'self.root_device.type == "cuda"' in inspect.getsource(DDPStrategy._register_ddp_hooks)

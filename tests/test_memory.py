@@ -1,4 +1,4 @@
-"""app/memory.py: exact state bytes per layout, activations measured on the meta device (against a real CPU
+"""app/tools/memory.py: exact state bytes per layout, activations measured on the meta device (against a real CPU
 forward for the autocast emulation), and the fits / does-not-fit answer. All fast: nothing real is allocated
 beyond the debug-sized models."""
 
@@ -9,16 +9,9 @@ import time
 import pytest
 import torch
 
-from app.memory import (
-    GIB,
-    estimate_memory,
-    module_step_loss,
-    next_token_loss,
-    parse_memory_size,
-    profile_network,
-    repeated_blocks,
-    storage_key,
-    visible_device_memory,
+from app.tools.memory import (
+    GIB, estimate_memory, module_step_loss, next_token_loss, parse_memory_size, profile_network, repeated_blocks,
+    storage_key, visible_device_memory,
 )
 from core.errors import UserError
 from models.gpt import GPT, GPTConfig, gpt_config

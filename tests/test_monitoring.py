@@ -17,8 +17,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 
-from app.flops import measured_peak_tflops, peak_tflops_per_device
-from app.monitoring import RankMonitor, median_of_others
+from app.observability.flops import measured_peak_tflops, peak_tflops_per_device
+from app.observability.monitor import RankMonitor, median_of_others
 from core.run_plan import RunPlan
 from models.gpt import GPT_CONFIGS, training_flops_per_token
 from models.language_model import GPTLanguageModel
@@ -152,7 +152,7 @@ def test_a_straggler_is_named_after_straggler_windows_slow_windows(
     monitor, trainer, logged = reporting_monitor(len(compute), straggler_windows=3)
     monitor._sync_measured = True
     events = []
-    with caplog.at_level(logging.WARNING, logger="app.monitoring"):
+    with caplog.at_level(logging.WARNING, logger="app.observability.monitor"):
         for _ in range(4):
             monitor._report(trainer, window(compute))
             events.append(logged["monitor/straggler_events"])

@@ -1,6 +1,6 @@
-"""Asynchronous training through a parameter server (app/parameter_server.py): real runs of a server and workers on
-CPU processes over gloo, with the shipped preset configs/trainer/async_ps_cpu.yaml; a stopped run resumed; a killed
-worker and a killed server; the mistakes refused before start."""
+"""Asynchronous training through a parameter server (app/strategies/parameter_server/): real runs of a server and
+workers on CPU processes over gloo, with the shipped preset configs/trainer/async_ps_cpu.yaml; a stopped run resumed; a
+killed worker and a killed server; the mistakes refused before start."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 from jsonargparse import Namespace
 
-from app.parameter_server import check_asynchronous
+from app.strategies.parameter_server.strategy import check_asynchronous
 from core.errors import UserError
 from tests.helpers import (
     CONFIG_DIR, QUIET, REPO_ROOT, assert_comparable_runs_agree, batch_sizes, fit, free_port, last_checkpoint,

@@ -18,8 +18,9 @@ from models.gpt import GPT_CONFIGS
 from models.language_model import build_gpt
 from models.pipeline import split_layers
 from tests.helpers import (
-    CLIP, CONFIG_DIR, MODEL_PARALLEL, QUIET, assert_one_line_error, assert_sharded_resume_after_sigkill_is_bitwise_exact,
-    assert_weights_agree, fit, last_checkpoint, one_line_error, run_cohort, scalars, validate,
+    CLIP, CONFIG_DIR, MODEL_PARALLEL, QUIET, assert_one_line_error,
+    assert_sharded_resume_after_sigkill_is_bitwise_exact, assert_weights_agree, fit, last_checkpoint, one_line_error,
+    run_cohort, scalars, validate,
 )
 
 pytestmark = pytest.mark.slow

@@ -27,8 +27,8 @@ from datamodules.language_modeling import LanguageModelingDataModule
 from models.language_model import GPTLanguageModel
 from models.optimizer import OptimizerSettings, weight_decay_groups
 from tests.helpers import (
-    CLIP, CONFIG_DIR, GPU_LAYOUTS, PRECISIONS, assert_trains_as_one_does, assert_trains_with_clipping_that_bites, cached_fits,
-    adam_weight_drift, clipped_run, fit, scalars, shrunk,
+    CLIP, CONFIG_DIR, GPU_LAYOUTS, PRECISIONS, adam_weight_drift, assert_trains_as_one_does,
+    assert_trains_with_clipping_that_bites, cached_fits, clipped_run, fit, scalars, shrunk,
 )
 
 pytestmark = pytest.mark.slow

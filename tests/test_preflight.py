@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from app.doctor import DoctorCLI
-from app.preflight import check_config, resolve_precision
+from app.cli.preflight import check_config, resolve_precision
+from app.tools.doctor import DoctorCLI
 from core.errors import UserError
 from core.run_plan import RunPlan
 from models.gpt import GPT, GPT_CONFIGS

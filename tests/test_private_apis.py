@@ -16,16 +16,16 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 # (owner, attribute, who uses it and why)
 PRIVATE_METHODS = [
-    (ModelCheckpoint, "_save_checkpoint", "app/checkpoints.py RunCheckpoint: write NAME.partial, rename into place"),
+    (ModelCheckpoint, "_save_checkpoint", "app/safety/checkpoints.py RunCheckpoint: write NAME.partial, rename"),
     (ModelCheckpoint, "_link_checkpoint", "RunCheckpoint: replace last.ckpt's link atomically"),
     (ModelCheckpoint, "_save_topk_checkpoint", "RunCheckpoint.on_train_end: keep the final step in the history"),
     (ModelCheckpoint, "_save_last_checkpoint", "RunCheckpoint.on_train_end: last.ckpt at the final step"),
     (ModelCheckpoint, "_should_skip_saving_checkpoint", "RunCheckpoint.on_train_end: not twice for one step"),
     (ModelCheckpoint, "_monitor_candidates", "RunCheckpoint.on_train_end: the values a filename is made of"),
-    (LightningCLI, "_parse_ckpt_path", "app/cli.py: keep the user's model config instead of the checkpoint's"),
-    (load, "_load_distributed_checkpoint", "app/checkpoints.py load_sharded_checkpoint: shards as full tensors"),
+    (LightningCLI, "_parse_ckpt_path", "app/cli/lightning_cli.py: keep the user's model config, not the checkpoint's"),
+    (load, "_load_distributed_checkpoint", "app/safety/checkpoints.py load_sharded_checkpoint: shards as full tensors"),
     (torch, "_foreach_mul_", "models/parallelize.py: scale every mesh's gradients in one call when clipping"),
-    (powerSGD_hook, "_should_compress", "app/gradient_compression.py factor_slots: where torch puts each Q factor"),
+    (powerSGD_hook, "_should_compress", "app/strategies/gradient_compression.py factor_slots: each Q factor's slot"),
 ]
 PRIVATE_ATTRIBUTES = [
     ("checkpoint", "_last_checkpoint_saved", "RunCheckpoint: the newest file, for messages and the history"),
@@ -59,7 +59,7 @@ def test_the_checkpoint_connector_still_dumps_and_the_link_signature_holds() -> 
 
 
 def test_a_fused_adamw_step_skips_itself_on_found_inf() -> None:
-    """app/bad_steps.py skips a bad step on the device through this attribute, as torch's grad scaler does."""
+    """app/safety/bad_steps.py skips a bad step on the device through this attribute, as torch's grad scaler does."""
     param = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.AdamW([param], lr=0.1, fused=True)
     param.grad = torch.ones(3)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from app.progress import StepProgress, format_duration
+from app.observability.progress import StepProgress, format_duration
 from core.errors import UserError
 from core.run_plan import RunPlan
 from tests.helpers import DDP_2, ONE_STEP, batch_sizes, run_cohort, run_in_process
@@ -32,7 +32,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     clock = Clock()
-    monkeypatch.setattr("app.progress.time.perf_counter", clock)
+    monkeypatch.setattr("app.observability.progress.time.perf_counter", clock)
     return clock
 
 

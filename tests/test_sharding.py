@@ -10,8 +10,8 @@ import pytest
 
 from tests.helpers import (
     MODEL_PARALLEL, QUIET, assert_comparable_runs_agree, assert_one_line_error,
-    assert_sharded_resume_after_sigkill_is_bitwise_exact, assert_weights_agree, fit, last_checkpoint,
-    run_cohort, validate,
+    assert_sharded_resume_after_sigkill_is_bitwise_exact, assert_weights_agree, fit, last_checkpoint, run_cohort,
+    validate,
 )
 
 pytestmark = pytest.mark.slow

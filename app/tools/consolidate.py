@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from app.checkpoints import consolidate
+from app.safety.checkpoints import consolidate
 
 
 def main(argv: list[str]) -> None:

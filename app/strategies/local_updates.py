@@ -21,7 +21,7 @@ SGD with H = 1" would train another, worse model for the same bytes; torch's Per
 for period 1. DiLoCo with H = 1 stays DiLoCo (an outer step after every inner one).
 
 How. DDP keeps its forward and backward (buffers, Lightning's accumulation, the monitor's marker at each backward's
-end); Cohort's one DDP comm hook (app/gradient_compression.py) returns each rank's own gradient instead of
+end); Cohort's one DDP comm hook (app/strategies/gradient_compression.py) returns each rank's own gradient instead of
 all-reducing it, as torch's post_localSGD_hook does past its start step. DDP's no_sync would do the same, but only if
 every micro-batch of Lightning's loop ran inside it. The sync runs in a post-step hook of the inner optimizer
 (torch's ``Optimizer.register_step_post_hook``), right after the update and before any callback sees the step, so
@@ -55,8 +55,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
 from torch.distributed.algorithms.model_averaging.utils import average_parameters, get_params_to_average
 
-from app.checkpoints import parameter_names
-from app.gradient_compression import gather_per_rank, registered_compression
+from app.safety.checkpoints import parameter_names
+from app.strategies.gradient_compression import gather_per_rank, registered_compression
 from core.errors import UserError
 
 UPDATE_METHODS = ("sync", "local_sgd", "diloco")
@@ -200,8 +200,3 @@ class LocalUpdates(Callback):
             synced.copy_(saved["synced"][name])
             if name in saved["outer_momentum"]:
                 self._outer.state[synced]["momentum_buffer"] = saved["outer_momentum"][name].to(synced).clone()
-
-
-def replicas_differ(trainer: L.Trainer) -> bool:
-    """Whether the run's ranks may hold different weights now (local updates between two syncs)."""
-    return any(isinstance(callback, LocalUpdates) and callback.replicas_differ() for callback in trainer.callbacks)

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 -m app doctor -c configs/quickstart.yaml -c configs/trainer/ddp_cpu.yaml
     srun python -m app doctor -c configs/trainer/multinode_gpu_bf16.yaml -c configs/gpt2/pretrain.yaml
 
-Checks: the pre-flight checks ``cohort fit`` runs (app/preflight.py: the launcher's process count against
+Checks: the pre-flight checks ``cohort fit`` runs (app/cli/preflight.py: the launcher's process count against
 trainer.devices x trainer.num_nodes, the precision on this device, the run plan's sizes and batch arithmetic, a
 checkpoint to resume, writable folders), each reported rather than stopping at the first; then the doctor's own
 probes: every rank reaching a barrier within a timeout, all-reduce bandwidth, the DataLoader's speed against the
@@ -31,12 +31,12 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser
 from lightning.pytorch.utilities import move_data_to_device
 
-from app.cli import CohortCLI
-from app.comm import time_collective
-from app.commands import describe
-from app.launch import Launch, detect_launch, join_process_group, launch_device
-from app.memory import estimate_memory, module_step_loss, parse_memory_size, visible_device_memory
-from app.preflight import Preflight, class_of, is_fsdp, log_root, model_class, strategy_name
+from app.cli.commands import describe
+from app.cli.launch import Launch, detect_launch, join_process_group, launch_device
+from app.cli.lightning_cli import CohortCLI
+from app.cli.preflight import Preflight, class_of, is_fsdp, log_root, model_class, strategy_name
+from app.tools.comm import time_collective
+from app.tools.memory import estimate_memory, module_step_loss, parse_memory_size, visible_device_memory
 from core.errors import UserError
 from core.run_plan import RunPlan
 from models.module import DERIVED_FROM_DATA, CohortModule
@@ -89,7 +89,7 @@ def instantiate_family(config: Namespace) -> tuple[LightningDataModule | None, C
 
 
 def check_memory(config: Namespace, model: CohortModule, plan: RunPlan) -> Check:
-    """Per-device memory of a training step under the config's strategy and precision (app/memory.py), against
+    """Per-device memory of a training step under the config's strategy and precision (app/tools/memory.py), against
     --device_memory or, on a GPU, its size."""
     trainer = config.trainer
     on_gpu = trainer.accelerator in ("gpu", "cuda") or (trainer.accelerator == "auto" and torch.cuda.is_available())

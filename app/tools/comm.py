@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from app.launch import detect_launch, join_process_group, launch_device
+from app.cli.launch import detect_launch, join_process_group, launch_device
 from core.errors import UserError
 
 BUS_FACTOR: dict[str, Callable[[int], float]] = {

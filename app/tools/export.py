@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from app.checkpoints import load_checkpoint, remove_path, replace_path
+from app.safety.checkpoints import load_checkpoint, remove_path, replace_path
 from core.errors import UserError
 from models.gpt import GPTConfig, gpt_config
 from models.huggingface import huggingface_gpt2_config, huggingface_gpt2_state_dict

@@ -6,9 +6,9 @@ logs them. Lightning's loggers only see rank 0, which is why the numbers travel 
 
 Step time is split into data wait (the loop blocked on the DataLoader), compute (forward, backward and optimizer,
 without the time blocked in DDP's gradient all-reduce), sync wait (that blocked time: from the moment the last
-gradient bucket was ready on this rank until backward returned; under local SGD and DiLoCo, app/local_updates.py, the
-sync after the optimizer step every H steps) and other (the rest of the loop). On GPUs the
-compute and sync markers are CUDA events, so they measure the device, not the launch queue.
+gradient bucket was ready on this rank until backward returned; under local SGD and DiLoCo,
+app/strategies/local_updates.py, the sync after the optimizer step every H steps) and other (the rest of the loop). On
+GPUs the compute and sync markers are CUDA events, so they measure the device, not the launch queue.
 
 A rank is slow in a window when its compute exceeds ``straggler_factor`` x the median of the *other* ranks' (with
 two ranks the median of all would be the mean of the pair, so a rank had to be 3x slower to pass 1.5). What the
@@ -30,7 +30,8 @@ import resource
 import socket
 import statistics
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
 import torch
@@ -39,10 +40,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
-from app.flops import measured_peak_tflops, peak_tflops_per_device
-from app.gradient_compression import registered_compression
-from app.local_updates import LocalUpdates
-from app.tensorboard_layout import log_final_val_loss, write_layout
+from app.observability.flops import measured_peak_tflops, peak_tflops_per_device
+from app.observability.tensorboard_layout import log_final_val_loss, write_layout
 from core.run_plan import run_plan_of
 from models.pipeline import theoretical_bubble
 
@@ -83,6 +82,23 @@ def median_of_others(values: list[float]) -> list[float]:
     return medians
 
 
+@runtime_checkable
+class AnnouncesGradientBuckets(Protocol):
+    """A callback whose DDP comm hook calls each listener with every gradient bucket as it goes to all-reduce
+    (app/strategies/gradient_compression.py); ``registered`` is False where the user's own hook came first."""
+
+    registered: bool
+    bucket_listeners: list[Callable[[dist.GradBucket], None]]
+
+
+@runtime_checkable
+class AnnouncesSyncs(Protocol):
+    """A callback that syncs the ranks inside the optimizer step and calls each listener with True as a sync starts
+    and False as it ends (local SGD, DiLoCo: app/strategies/local_updates.py)."""
+
+    sync_listeners: list[Callable[[bool], None]]
+
+
 class Marker:
     """A point in time: a CUDA event on GPUs (read later, without stalling the stream), else perf_counter."""
 
@@ -118,7 +134,8 @@ class RankMonitor(Callback):
             straggler_windows: windows in a row a rank must be slow before it is reported as a straggler.
             data_wait_warning_share: warn when waiting for data exceeds this share of the step time.
             loss_alert_sigmas: warn when a rank's mean loss is this many standard errors from the others'.
-            peak_tflops: peak TFLOP/s of one device, for MFU; None: the data sheet's for GPUs in app/flops.py,
+            peak_tflops: peak TFLOP/s of one device, for MFU; None: the data sheet's for GPUs in
+            app/observability/flops.py,
                 else what a short matmul probe measures at the start (CPUs, other GPUs).
             enabled: False leaves the monitor out of the run (the CLI removes it before fit).
         """
@@ -162,18 +179,19 @@ class RankMonitor(Callback):
         self._reset_window()
 
     def _register_sync_timer(self, trainer: L.Trainer) -> bool:
-        """Time each backward's last gradient bucket: a listener on the DDP comm hook that app/gradient_compression.py
-        registers, whichever method it runs (plain all-reduce, bf16, fp16 or PowerSGD, whose compression counts as
-        sync wait too)."""
+        """Time each backward's last gradient bucket: a listener on the DDP comm hook that
+        app/strategies/gradient_compression.py registers, whichever method it runs (plain all-reduce, bf16, fp16 or
+        PowerSGD, whose compression counts as sync wait too)."""
         if not isinstance(trainer.strategy, DDPStrategy) or trainer.world_size == 1:
             return False
-        compression = registered_compression(trainer)
-        if compression is None:  # only one hook per model: the user's own came first
+        hooks = [callback for callback in trainer.callbacks
+                 if isinstance(callback, AnnouncesGradientBuckets) and callback.registered]
+        if not hooks:  # only one hook per model: the user's own came first
             rank_zero_info("monitor: another DDP comm hook is registered, so sync wait counts as compute")
             return False
-        compression.bucket_listeners.append(self._bucket_ready)
+        hooks[0].bucket_listeners.append(self._bucket_ready)
         for callback in trainer.callbacks:
-            if isinstance(callback, LocalUpdates):
+            if isinstance(callback, AnnouncesSyncs):
                 callback.sync_listeners.append(self._local_sync)
         return True
 

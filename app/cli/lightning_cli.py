@@ -23,18 +23,20 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from app.bad_steps import BadStepGuard
-from app.callbacks import NcclFlightRecorder, PerRankSeed, PrintPredictions, SameThreadsOnEveryRank
-from app.checkpoints import RunCheckpoint
-from app.commands import DESCRIPTION, LIGHTNING_COMMANDS, describe
-from app.gradient_compression import GradientCompression
-from app.local_updates import LocalUpdates
-from app.monitoring import RankMonitor
-from app.parameter_server import WorkerLost
-from app.preemption import PreemptionCheckpoint, preemption_callback
-from app.preflight import Preflight, accelerator_name, check_config, resolve_precision
-from app.progress import StepProgress
-from app.replica_check import ReplicaCheck, ReplicaDivergenceError
+from app.cli.commands import DESCRIPTION, LIGHTNING_COMMANDS, describe
+from app.cli.preflight import Preflight, accelerator_name, check_config, resolve_precision
+from app.cli.samples import PrintPredictions
+from app.observability.flight_recorder import NcclFlightRecorder
+from app.observability.monitor import RankMonitor
+from app.observability.progress import StepProgress
+from app.safety.bad_steps import BadStepGuard
+from app.safety.checkpoints import RunCheckpoint
+from app.safety.determinism import PerRankSeed, SameThreadsOnEveryRank
+from app.safety.preemption import PreemptionCheckpoint, preemption_callback
+from app.safety.replica_check import ReplicaCheck, ReplicaDivergenceError
+from app.strategies.gradient_compression import GradientCompression
+from app.strategies.local_updates import LocalUpdates
+from app.strategies.parameter_server.server import WorkerLost
 from core.errors import UserError
 from core.run_plan import RunPlan
 from core.seeding import DEFAULT_SEED
@@ -98,7 +100,7 @@ class CohortCLI(LightningCLI):
         )
 
     def parser_descriptions(self) -> dict[str, Any]:
-        """What ``--help`` says: Cohort and each subcommand, in app/commands.py's words (Lightning's would be
+        """What ``--help`` says: Cohort and each subcommand, in app/cli/commands.py's words (Lightning's would be
         "Lightning Trainer command line tool" and the Trainer methods' docstrings)."""
         return {"prog": "cohort", "description": DESCRIPTION,
                 **{command: {"description": describe(command)} for command in LIGHTNING_COMMANDS}}

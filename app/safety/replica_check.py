@@ -18,7 +18,7 @@ pipeline: a network that something other than Cohort built would otherwise train
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
 import torch
@@ -27,7 +27,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
-from app.local_updates import replicas_differ
 from core.errors import UserError, check_ranges
 
 # the integer type of each element size: a tensor's bits, summed exactly (integer sums wrap, in any order alike)
@@ -38,6 +37,19 @@ SliceKey = tuple[str, tuple[tuple[str, int], ...]]
 
 class ReplicaDivergenceError(RuntimeError):
     """Ranks that should hold identical weights do not."""
+
+
+@runtime_checkable
+class KeepsReplicasApart(Protocol):
+    """A callback under which the replicas differ for a while by design (local SGD and DiLoCo between syncs)."""
+
+    def replicas_differ(self) -> bool: ...
+
+
+def replicas_differ(trainer: L.Trainer) -> bool:
+    """Whether the run's ranks may hold different weights now."""
+    return any(isinstance(callback, KeepsReplicasApart) and callback.replicas_differ()
+               for callback in trainer.callbacks)
 
 
 class ReplicaCheck(Callback):

@@ -32,8 +32,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.tensor import DTensor
 
-from app.checkpoints import RunCheckpoint, load_training_state
-from app.parameter_server import is_asynchronous
+from app.safety.checkpoints import RunCheckpoint, load_training_state
 from core.errors import UserError, check_ranges
 from core.run_plan import run_plan_of
 
@@ -88,7 +87,8 @@ class BadStepGuard(Callback):
         """After the step's last backward, before clipping and the update: one all-reduce, one verdict on every
         rank, and a bad step's update skipped."""
         # an asynchronous run's server judges each worker's gradient alone, as it applies it
-        world, rank = (1, 0) if is_asynchronous(trainer) else (trainer.world_size, trainer.global_rank)
+        asynchronous = run_plan_of(trainer.lightning_module).asynchronous
+        world, rank = (1, 0) if asynchronous else (trainer.world_size, trainer.global_rank)
         scaled = grad_scaler(trainer) is not None
         finite = torch.isfinite(self._step_loss)
         if not scaled:

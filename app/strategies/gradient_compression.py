@@ -11,9 +11,9 @@ DDP's one communication hook, on any device. What each rank hands to all-reduce 
 The hooks are torch's (torch.distributed.algorithms.ddp_comm_hooks); Cohort wraps the chosen one to count what it
 hands to all-reduce (logged as comm/bytes_per_step: the tensors' sizes, not the wire's bytes, which a ring
 all-reduce multiplies by 2(n-1)/n) and to tell listeners when each bucket is ready: the monitor times sync wait
-from the last one, whatever the method. Under local SGD and DiLoCo (app/local_updates.py) the hook all-reduces
-nothing: it returns each rank's own gradient, as torch's post-local SGD hook does, and counts the averaging's bytes
-in the step that averages.
+from the last one, whatever the method. Under local SGD and DiLoCo (app/strategies/local_updates.py) the hook
+all-reduces nothing: it returns each rank's own gradient, as torch's post-local SGD hook does, and counts the
+averaging's bytes in the step that averages.
 
 Lightning's DDPStrategy registers its ``ddp_comm_hook`` argument only when the root device is CUDA
 (``DDPStrategy._register_ddp_hooks`` in lightning/pytorch/strategies/ddp.py), so on CPUs (gloo) it silently does
@@ -43,7 +43,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _should_compress, powerSGD_hook
 
-from app.checkpoints import parameter_names
+from app.safety.checkpoints import parameter_names
 from core.errors import UserError
 from core.run_plan import run_plan_of
 
@@ -73,7 +73,8 @@ class GradientCompression(Callback):
         self.powersgd_warm_start = powersgd_warm_start
         self.bucket_listeners: list[BucketListener] = []  # called with each bucket as it goes to all-reduce
         self.registered = False  # set at fit start: Cohort's hook is DDP's
-        # set by app/local_updates.py (local SGD, DiLoCo): each rank steps on its own gradient, nothing is all-reduced
+        # set by app/strategies/local_updates.py (local SGD, DiLoCo): each rank steps on its own gradient, nothing is
+        # all-reduced
         self.local_gradients: PostLocalSGDState | None = None
         self.powersgd: PowerSGDState | None = None
         self.total_bytes = self.total_uncompressed_bytes = self.steps = 0

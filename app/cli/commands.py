@@ -1,13 +1,14 @@
 """The ``cohort`` subcommands, one line each. ``cohort --help`` prints them, app/__main__.py dispatches on them and
-the Lightning subcommands' own ``--help`` (app/cli.py) repeats them, so the three cannot disagree. Imports nothing:
-``cohort --help`` answers without loading torch."""
+the Lightning subcommands' own ``--help`` (app/cli/lightning_cli.py) repeats them, so the three cannot disagree. Imports
+nothing: ``cohort --help`` answers without loading torch."""
 
 from __future__ import annotations
 
 DESCRIPTION = ("Cohort trains GPT and BERT language models and image classifiers with PyTorch Lightning, on one CPU\n"
                "or on many GPUs and nodes with the same config, and resumes runs exactly.")
 
-LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")  # LightningCLI's (app/cli.py); the others are Cohort's
+# LightningCLI's (app/cli/lightning_cli.py); the others are Cohort's
+LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 
 COMMANDS: dict[str, str] = {
     "fit": "train a model (-c configs/quickstart.yaml); --ckpt_path last resumes the newest run",

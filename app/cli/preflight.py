@@ -1,6 +1,6 @@
 """Pre-flight: every check that can stop a run before anything is built, run alike by fit, validate, test and
-predict (app/cli.py), by ``cohort doctor`` (which adds only its probes) and, for what the config alone decides, by
-``--print_config``; and the run plan they resolve (core/run_plan.py), from the config and the launcher.
+predict (app/cli/lightning_cli.py), by ``cohort doctor`` (which adds only its probes) and, for what the config alone
+decides, by ``--print_config``; and the run plan they resolve (core/run_plan.py), from the config and the launcher.
 
 A failing check raises a UserError whose one line says what was wrong and what to do, before any process group,
 model or file exists.
@@ -20,12 +20,12 @@ from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElastic
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info
 
-from app.checkpoints import check_checkpoint, find_last_checkpoint
-from app.gradient_compression import COMPRESSIONS
-from app.local_updates import UPDATE_METHODS
-from app.launch import parent_start_time, torchrun_restart
-from app.parameter_server import check_asynchronous
-from app.strategies import PipelineParallelStrategy
+from app.cli.launch import parent_start_time, torchrun_restart
+from app.safety.checkpoints import check_checkpoint, find_last_checkpoint
+from app.strategies.gradient_compression import COMPRESSIONS
+from app.strategies.local_updates import UPDATE_METHODS
+from app.strategies.parameter_server.strategy import check_asynchronous
+from app.strategies.pipeline import PipelineParallelStrategy
 from core.errors import UserError, check_ranges, check_writable_folder
 from core.run_plan import RunPlan
 from datamodules.prepare import DEFAULT_CORPUS_DIR

@@ -1,0 +1,1 @@
+"""The command line: the Lightning subcommands and their pre-flight checks, the launchers, what a run prints."""

@@ -1,0 +1,45 @@
+"""Ranks that should compute the same numbers do, and ranks that should draw different random numbers do: two
+callbacks every run gets."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from core.run_plan import run_plan_of
+from core.seeding import derive_seed
+
+
+class SameThreadsOnEveryRank(Callback):
+    """Every rank computes with the same number of CPU threads: OMP_NUM_THREADS where set (torchrun sets 1), else the
+    CPUs this process may use divided by the processes on this machine, as Lightning's launchers choose. A CPU
+    reduction split over another number of threads rounds differently, and ModelParallelStrategy's launcher sets
+    the count in rank 0 only (the ranks it starts keep torch's default): ranks that compute the same thing, as
+    tensor parallelism's replicated layers do, then drift apart by rounding until the replica check stops the run."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        given = os.environ.get("OMP_NUM_THREADS", "")
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(int(given) if given.isdigit() and int(given) > 0 else max(1, cpus // trainer.num_devices))
+
+
+class PerRankSeed(Callback):
+    """Randomness (dropout) that differs across ranks and steps and follows from the one seed.
+
+    The global RNG is reseeded from (seed, rank, optimizer step, batch index) before every training batch, so a
+    resumed run draws exactly what the uninterrupted run drew, and no rank's RNG state has to be saved. The rank
+    is the data-parallel one: ranks of a tensor-parallel group must drop the same units of their replicated
+    activations.
+    """
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        plan = run_plan_of(pl_module)
+        seed = derive_seed(plan.seed, plan.data_parallel_rank(trainer.global_rank), trainer.global_step, batch_idx)
+        # the generators themselves: torch.manual_seed also probes every accelerator backend, ~1 ms per call
+        torch.default_generator.manual_seed(seed)
+        if torch.cuda.is_initialized():
+            torch.cuda.manual_seed(seed)

@@ -1,0 +1,1 @@
+"""The commands beside training: doctor, comm, consolidate, export and the memory estimate."""
