@@ -99,6 +99,7 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
 
+    from core.precision import PRECISIONS
     from core.run_plan import RunPlan
     from core.tokens import IGNORE_INDEX
     from datamodules.samplers import GlobalBatchSampler
@@ -113,7 +114,8 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
     dataset = TokenWindows(Path(args.data_dir) / "train.bin", args.sequence_length, 256)
     plan = RunPlan(devices_per_node=1, num_nodes=1, data_parallel_size=1, tensor_parallel_size=1,
                    global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
-                   sequence_length=args.sequence_length, precision="32-true", seed=SEED)  # as the CLI resolves it
+                   sequence_length=args.sequence_length,
+                   precision=PRECISIONS["32-true"], seed=SEED)  # as the CLI resolves it
     sampler = GlobalBatchSampler(len(dataset), plan, data_parallel_rank=0)
     loader = DataLoader(dataset, sampler=sampler, batch_size=args.micro_batch_size, num_workers=0)
     # the two groups of GPTLanguageModel.configure_optimizers (no decay on biases, norms and embeddings), fused

@@ -45,6 +45,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from app.tools.memory import MemoryEstimate, estimate_memory, module_step_loss
+from core.precision import precision_named
 from models.image_classifier import ImageClassifier
 from models.language_model import GPTLanguageModel
 from models.masked_language_model import BertMaskedLanguageModel
@@ -162,7 +163,7 @@ def measure(row: Row, device_type: str) -> int:
 
     device = torch.device(device_type)
     model = MODELS[row.model]
-    autocast_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(row.precision)
+    autocast_dtype = precision_named(row.precision).autocast_dtype
 
     def train(spec: Model, module: CohortModule, network: torch.nn.Module, batch_size: int) -> None:
         """Two optimizer steps of ``row.accumulation`` micro-batches each."""

@@ -14,9 +14,10 @@ every rank is its own data-parallel rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from core.errors import UserError, check_ranges
+from core.precision import Precision
 
 PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # models/pipeline.py's SCHEDULES
 
@@ -30,7 +31,7 @@ class RunPlan:
     global_batch_size: int
     micro_batch_size: int
     sequence_length: int
-    precision: str  # Lightning's name, e.g. "bf16-mixed"
+    precision: Precision  # resolved for the device: Lightning's name and its dtypes
     seed: int  # seed_everything: data order, initial weights and dropout all follow from it
     pipeline_parallel_size: int = 1  # pipeline stages, one per rank of a pipeline
     pipeline_schedule: str = "1F1B"  # the order of the pipeline micro-batches' forwards and backwards
@@ -95,7 +96,7 @@ class RunPlan:
         if self.pipeline_layers is not None and (len(self.pipeline_layers) != stages or min(self.pipeline_layers) < 1):
             raise UserError(f"{field}.pipeline_layers={list(self.pipeline_layers)} must give each of the {stages} stages "
                             "at least one block, in stage order (or be null to balance them by count)")
-        if self.precision == "16-mixed":
+        if self.precision.name == "16-mixed":
             raise UserError("trainer.precision=16-mixed: the pipeline runs its own backward, which fp16's loss "
                             "scaler cannot scale; use bf16-mixed or 32-true with pipeline stages")
 
@@ -122,6 +123,13 @@ class RunPlan:
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.sequence_length
 
+    def for_rank(self, global_rank: int) -> RunPlan:
+        """The plan ``global_rank`` trains by: an asynchronous run's server (rank 0) takes whole global batches, each
+        one worker's push and one update, so its micro batch is the global batch; every other rank this plan."""
+        if self.asynchronous and global_rank == 0:
+            return replace(self, micro_batch_size=self.global_batch_size)
+        return self
+
     def data_parallel_rank(self, global_rank: int) -> int:
         """Which share of each global batch ``global_rank`` reads."""
         return global_rank // self.tensor_parallel_size % self.data_parallel_size
@@ -133,10 +141,16 @@ class RunPlan:
     def tensor_parallel_rank(self, global_rank: int) -> int:
         return global_rank % self.tensor_parallel_size
 
+    def micro_batch_in_step(self, batch_index: int) -> int:
+        """Which micro-batch of its optimizer step micro-batch ``batch_index`` of an epoch is, from 0. Epochs hold
+        whole steps, so counting from the epoch's start is enough."""
+        return batch_index % self.accumulation
+
+    def starts_optimizer_step(self, batch_index: int) -> bool:
+        return self.micro_batch_in_step(batch_index) == 0
+
     def ends_optimizer_step(self, batch_index: int) -> bool:
-        """Whether micro-batch ``batch_index`` of an epoch is the last of its optimizer step. Epochs hold whole
-        steps, so counting from the epoch's start is enough."""
-        return (batch_index + 1) % self.accumulation == 0
+        return self.micro_batch_in_step(batch_index) == self.accumulation - 1
 
     def describe(self) -> str:
         pipeline = ""

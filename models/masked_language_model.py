@@ -150,8 +150,7 @@ class BertMaskedLanguageModel(CohortModule):
         data-parallel rank r holds the step's (a x data-parallel size + r)-th group of micro_batch_size samples
         (datamodules/samplers.py). So ranks and steps mask differently, ranks of one tensor-parallel group alike,
         and the same samples get the same masks at any world size with the same micro batch."""
-        within_step = batch_idx % plan.accumulation
-        group = within_step * plan.data_parallel_size + plan.data_parallel_rank(global_rank)
+        group = plan.micro_batch_in_step(batch_idx) * plan.data_parallel_size + plan.data_parallel_rank(global_rank)
         return derive_seed(plan.seed, "mask", step, group)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:

@@ -37,8 +37,6 @@ from models.pipeline import (
     Pipeline, PipelineSplit, block_paths, check_split, keep_stage, merge_stages, rank_stages, tied_parts,
 )
 
-# FSDP2's compute dtype for each mixed precision; the sharded float32 master weights stay float32
-FSDP_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 # what a datamodule finds out from its data (an image folder's classes) and the model takes: the CLI links each
 # attribute of the datamodule to the model argument of the same name where both exist
 DERIVED_FROM_DATA = ("num_classes", "in_channels", "image_shape")
@@ -149,14 +147,13 @@ class CohortModule(L.LightningModule):
         ranks, the family's tensor-parallel plan on the tensor-parallel ones), with activation checkpointing and
         compile where the family's hyperparameters ask, initialised from the run's seed. ``keep_stage`` keeps one
         pipeline stage."""
-        trainer = self._trainer
-        precision = str(trainer.precision) if trainer is not None else "32-true"
         return build_network(
             self.plain_network, self.build_device(), self.seed, self.device_mesh,
             tensor_parallel_plan=self.tensor_parallel_plan(), blocks=self.blocks,
             activation_checkpointing=self.hparams.get("activation_checkpointing", False),
             compile=self.hparams.get("compile", False),
-            param_dtype=fsdp_compute_dtype(precision, self.plain_network), keep_stage=keep_stage,
+            autocast_dtype=self.run_plan.precision.autocast_dtype if self.run_plan is not None else None,
+            keep_stage=keep_stage,
         )
 
     @property
@@ -198,7 +195,7 @@ class CohortModule(L.LightningModule):
         last micro-batch: a step's logged value is that one's anyway, and each self.log costs about a millisecond."""
         plan = run_plan_of(self)
         if self.pipeline is not None:
-            if batch_idx % plan.accumulation == 0:  # the step's first micro-batch (see optimizer_zero_grad)
+            if plan.starts_optimizer_step(batch_idx):  # see optimizer_zero_grad
                 self.optimizers().zero_grad()
             loss = self.pipeline.train_step(*self.prepare_batch(batch, batch_idx), plan.accumulation)
             if plan.ends_optimizer_step(batch_idx):
@@ -273,18 +270,6 @@ class CohortModule(L.LightningModule):
         """The family's optimizer settings over its network (models/optimizer.py)."""
         return self.optimizer_settings.configure(self.model, self.device, run_plan_of(self).global_batch_size,
                                                  self.trainer.estimated_stepping_batches)
-
-
-def fsdp_compute_dtype(precision: str, make_network: Callable[[], nn.Module]) -> torch.dtype | None:
-    """FSDP2's compute dtype under mixed precision; None for a network with batch norms, whose float32 running
-    statistics cannot meet half-precision weights (autocast then runs its convolutions in half precision, as under
-    DDP)."""
-    dtype = FSDP_PARAM_DTYPES.get(precision)
-    if dtype is None:
-        return None
-    with torch.device("meta"):
-        batch_norms = any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in make_network().modules())
-    return None if batch_norms else dtype
 
 
 def class_path_of(cls: type) -> str:

@@ -45,12 +45,14 @@ def build_network(
     blocks: Callable[[nn.Module], list[nn.Module]] | None = None,
     activation_checkpointing: bool = False,
     compile: bool = False,
-    param_dtype: torch.dtype | None = None,
+    autocast_dtype: torch.dtype | None = None,
     keep_stage: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """``make_network()`` on ``device``, parallelised over ``device_mesh`` (dims "data_parallel" and
-    "tensor_parallel") if given, and initialised from ``seed``. ``param_dtype`` is FSDP2's compute dtype under mixed
-    precision. ``keep_stage`` removes what other pipeline stages hold, so that only this rank's stage is built."""
+    "tensor_parallel") if given, and initialised from ``seed``. ``autocast_dtype`` (mixed precision's) is the dtype
+    FSDP2 gathers the weights in, except in a network with batch norms, whose float32 running statistics cannot meet
+    half-precision weights (autocast then runs its convolutions in half precision, as under DDP). ``keep_stage``
+    removes what other pipeline stages hold, so that only this rank's stage is built."""
     with torch.device("meta"):
         network = make_network()
     if keep_stage is not None:
@@ -65,7 +67,8 @@ def build_network(
     if device_mesh is not None:
         # a pipeline runs each stage's forward once per pipeline micro-batch: gathering the shards again each time
         # would cost more than keeping them (torchtitan does the same)
-        apply_fsdp(network, block_list, device_mesh["data_parallel"], param_dtype,
+        batch_norms = any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in network.modules())
+        apply_fsdp(network, block_list, device_mesh["data_parallel"], None if batch_norms else autocast_dtype,
                    reshard_after_forward=keep_stage is None)
     materialize(network, device)
     initialize(network, seed, make_network)

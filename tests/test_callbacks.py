@@ -13,12 +13,13 @@ import torch.distributed.distributed_c10d
 from app.observability.flight_recorder import NcclFlightRecorder
 from app.safety.checkpoints import replace_path
 from app.safety.determinism import PerRankSeed
+from core.precision import PRECISIONS
 from core.run_plan import RunPlan
 
 
 def draw_after_seeding(rank: int, step: int, batch_idx: int) -> torch.Tensor:
     plan = RunPlan(devices_per_node=2, num_nodes=1, data_parallel_size=2, tensor_parallel_size=1, global_batch_size=4,
-                   micro_batch_size=2, sequence_length=8, precision="32-true", seed=1337)
+                   micro_batch_size=2, sequence_length=8, precision=PRECISIONS["32-true"], seed=1337)
     trainer = SimpleNamespace(global_rank=rank, global_step=step)
     PerRankSeed().on_train_batch_start(trainer, SimpleNamespace(run_plan=plan), None, batch_idx)
     return torch.rand(4)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
 from core.errors import UserError
+from core.precision import PRECISIONS
 from core.run_plan import RunPlan
 from core.tokens import IGNORE_INDEX
 from datamodules.language_modeling import LanguageModelingDataModule
@@ -29,7 +30,8 @@ STEPS_PER_EPOCH = 200 // 16
 
 def data_parallel_plan(world_size: int, global_batch: int = 16, micro: int = 2, seed: int = 7) -> RunPlan:
     return RunPlan(devices_per_node=world_size, num_nodes=1, data_parallel_size=world_size, tensor_parallel_size=1,
-                   global_batch_size=global_batch, micro_batch_size=micro, sequence_length=10, precision="32-true",
+                   global_batch_size=global_batch, micro_batch_size=micro, sequence_length=10,
+                   precision=PRECISIONS["32-true"],
                    seed=seed)
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from app.tools.doctor import main as doctor
+from core.precision import PRECISIONS
 from core.run_plan import RunPlan
 from core.seeding import derive_seed
 from core.tokens import IGNORE_INDEX
@@ -118,9 +119,11 @@ def test_masks_differ_across_ranks_and_steps_and_repeat_for_the_same_coordinates
     """The seed BERT's training_step masks with: (seed, step, the micro-batch's place in the global batch)."""
     model = BertMaskedLanguageModel("bert-tiny", vocab_size=256)
     plan = RunPlan(devices_per_node=2, num_nodes=1, data_parallel_size=2, tensor_parallel_size=1,
-                   global_batch_size=16, micro_batch_size=4, sequence_length=64, precision="32-true", seed=7)
+                   global_batch_size=16, micro_batch_size=4, sequence_length=64,
+                   precision=PRECISIONS["32-true"], seed=7)
     one_process = RunPlan(devices_per_node=1, num_nodes=1, data_parallel_size=1, tensor_parallel_size=1,
-                          global_batch_size=16, micro_batch_size=4, sequence_length=64, precision="32-true", seed=7)
+                          global_batch_size=16, micro_batch_size=4, sequence_length=64,
+                          precision=PRECISIONS["32-true"], seed=7)
     window = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
 
     def masks(rank: int, step: int, micro_batch: int) -> torch.Tensor:

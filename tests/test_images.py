@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from core.errors import UserError
+from core.precision import PRECISIONS
 from core.run_plan import RunPlan
 from core.tokens import IGNORE_INDEX
 from datamodules.augmentation import Augmentation, augment_image, augmentation_seed
@@ -29,7 +30,8 @@ ALL_ON = Augmentation(crop_padding=2, rotation_degrees=15.0, translate_fraction=
 
 def data_parallel_plan(world_size: int, global_batch: int = 64, micro: int = 16, seed: int = SEED) -> RunPlan:
     return RunPlan(devices_per_node=world_size, num_nodes=1, data_parallel_size=world_size, tensor_parallel_size=1,
-                   global_batch_size=global_batch, micro_batch_size=micro, sequence_length=1, precision="32-true",
+                   global_batch_size=global_batch, micro_batch_size=micro, sequence_length=1,
+                   precision=PRECISIONS["32-true"],
                    seed=seed)
 
 

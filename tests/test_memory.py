@@ -193,7 +193,7 @@ def test_fits_when_sharded_small_enough() -> None:
 
 
 def test_bad_layouts_and_precisions_say_what_was_wrong() -> None:
-    with pytest.raises(UserError, match="precision 'fp8'"):
+    with pytest.raises(UserError, match="trainer.precision='fp8'"):
         small_estimate(precision="fp8")
     with pytest.raises(UserError, match="use 'ddp' or 'fsdp'"):
         small_estimate(data_parallel_size=2)

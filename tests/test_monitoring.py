@@ -18,7 +18,9 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 
 from app.observability.flops import measured_peak_tflops, peak_tflops_per_device
-from app.observability.monitor import RankMonitor, median_of_others
+from app.observability.monitor import RankMonitor
+from app.observability.verdicts import median_of_others
+from core.precision import PRECISIONS, precision_named
 from core.run_plan import RunPlan
 from models.gpt import GPT_CONFIGS, training_flops_per_token
 from models.language_model import GPTLanguageModel
@@ -113,7 +115,7 @@ def reporting_monitor(world_size: int, **options: float) -> tuple[RankMonitor, S
     monitor = RankMonitor(peak_tflops=100.0, **options)
     monitor._plan = RunPlan(devices_per_node=world_size, num_nodes=1, data_parallel_size=world_size,
                             tensor_parallel_size=1, global_batch_size=32, micro_batch_size=4, sequence_length=128,
-                            precision="32-true", seed=0)
+                            precision=PRECISIONS["32-true"], seed=0)
     monitor.flops_per_token, monitor.peak, monitor.hosts = 1e9, 100.0, [f"host{r}" for r in range(world_size)]
     logged: dict[str, float] = {}
     logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.update(metrics))
@@ -152,7 +154,7 @@ def test_a_straggler_is_named_after_straggler_windows_slow_windows(
     monitor, trainer, logged = reporting_monitor(len(compute), straggler_windows=3)
     monitor._sync_measured = True
     events = []
-    with caplog.at_level(logging.WARNING, logger="app.observability.monitor"):
+    with caplog.at_level(logging.WARNING, logger="app.observability.verdicts"):
         for _ in range(4):
             monitor._report(trainer, window(compute))
             events.append(logged["monitor/straggler_events"])
@@ -194,17 +196,18 @@ def test_flop_count_matches_a_hand_computed_case() -> None:
     assert GPTLanguageModel("gpt2").flops_per_sample(1024) == pytest.approx(formula * 1024, rel=0.002)
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_the_probe_measures_a_plausible_peak(precision: str) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_probe_measures_a_plausible_peak(dtype: torch.dtype) -> None:
     """Between 1 GFLOP/s and 100 TFLOP/s for one CPU: a wrong FLOP count or clock would miss by orders of magnitude."""
-    assert 1e-3 < measured_peak_tflops(torch.device("cpu"), precision, seconds=0.05) < 100
+    assert 1e-3 < measured_peak_tflops(torch.device("cpu"), dtype, seconds=0.05) < 100
 
 
 def test_peak_table_covers_a100_h100_h200_and_not_cpus() -> None:
-    assert peak_tflops_per_device("NVIDIA A100-SXM4-80GB", "bf16-mixed") == 312.0
-    assert peak_tflops_per_device("NVIDIA H100 80GB HBM3", "bf16-mixed") == 989.0
-    assert peak_tflops_per_device("NVIDIA H200", "16-mixed") == 989.0
-    assert peak_tflops_per_device("CPU", "32-true") is None
+    bf16_mixed, fp16_mixed = precision_named("bf16-mixed"), precision_named("16-mixed")
+    assert peak_tflops_per_device("NVIDIA A100-SXM4-80GB", bf16_mixed.compute_dtype) == 312.0
+    assert peak_tflops_per_device("NVIDIA H100 80GB HBM3", bf16_mixed.compute_dtype) == 989.0
+    assert peak_tflops_per_device("NVIDIA H200", fp16_mixed.compute_dtype) == 989.0
+    assert peak_tflops_per_device("CPU", torch.float32) is None
 
 
 @pytest.mark.slow

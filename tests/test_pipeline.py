@@ -13,6 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 
 from core.errors import UserError
+from core.precision import PRECISIONS
 from core.run_plan import RunPlan
 from models.gpt import GPT_CONFIGS
 from models.language_model import build_gpt
@@ -152,7 +153,8 @@ def test_16_mixed_is_refused_with_pipeline_stages() -> None:
     """On GPUs (on CPUs 16-mixed already runs as bf16-mixed, so the plan never sees it)."""
     with pytest.raises(UserError, match="16-mixed: the pipeline runs its own backward"):
         RunPlan(devices_per_node=2, num_nodes=1, data_parallel_size=1, tensor_parallel_size=1, global_batch_size=8,
-                micro_batch_size=4, sequence_length=64, precision="16-mixed", seed=1, pipeline_parallel_size=2,
+                micro_batch_size=4, sequence_length=64,
+                precision=PRECISIONS["16-mixed"], seed=1, pipeline_parallel_size=2,
                 pipeline_microbatches=2)
 
 

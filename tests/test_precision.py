@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 
+from core.precision import precision_named
 from core.run_plan import RunPlan
 from datamodules.language_modeling import LanguageModelingDataModule
 from models.language_model import GPTLanguageModel
@@ -131,7 +132,7 @@ def test_fp16_grad_scaler_with_fused_adamw_matches_torchs_amp_recipe(byte_corpus
                                             global_batch_size=4, micro_batch_size=4)
     module.run_plan = datamodule.run_plan = RunPlan(  # what the CLI would resolve for this one-process run
         devices_per_node=1, num_nodes=1, data_parallel_size=1, tensor_parallel_size=1, global_batch_size=4,
-        micro_batch_size=4, sequence_length=32, precision="16-mixed", seed=module.hparams.seed)
+        micro_batch_size=4, sequence_length=32, precision=precision_named("16-mixed"), seed=module.hparams.seed)
     trainer.fit(module, datamodule=datamodule)
 
     optimizer = torch.optim.AdamW(weight_decay_groups(reference.model, 0.1), lr=lr, betas=(0.9, 0.95), fused=True)

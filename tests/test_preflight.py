@@ -11,6 +11,7 @@ import torch
 from app.cli.preflight import check_config, resolve_precision
 from app.tools.doctor import DoctorCLI
 from core.errors import UserError
+from core.precision import PRECISIONS
 from core.run_plan import RunPlan
 from models.gpt import GPT, GPT_CONFIGS
 from models.language_model import GPTLanguageModel
@@ -21,8 +22,8 @@ def plan(world_size: int = 1, micro: int = 4, global_batch: int = 32, num_nodes:
          tensor_parallel: int = 1) -> RunPlan:
     return RunPlan(devices_per_node=world_size // num_nodes, num_nodes=num_nodes,
                    data_parallel_size=world_size // tensor_parallel, tensor_parallel_size=tensor_parallel,
-                   global_batch_size=global_batch, micro_batch_size=micro, sequence_length=64, precision="32-true",
-                   seed=0)
+                   global_batch_size=global_batch, micro_batch_size=micro, sequence_length=64,
+                   precision=PRECISIONS["32-true"], seed=0)
 
 
 @pytest.mark.parametrize(("world_size", "micro", "expected"), [(1, 4, 8), (2, 4, 4), (8, 4, 1), (4, 2, 4)])
@@ -37,6 +38,22 @@ def test_tensor_parallel_ranks_share_a_data_parallel_rank() -> None:
     assert [run.data_parallel_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert [run.tensor_parallel_rank(rank) for rank in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
     assert [index for index in range(12) if run.ends_optimizer_step(index)] == [3, 7, 11]
+    assert [index for index in range(12) if run.starts_optimizer_step(index)] == [0, 4, 8]
+    assert [run.micro_batch_in_step(index) for index in range(6)] == [0, 1, 2, 3, 0, 1]
+
+
+def test_the_servers_plan_takes_whole_global_batches() -> None:
+    """An asynchronous run's server (rank 0) applies one worker's push, a whole global batch, per update: its micro
+    batch is the global batch and it never accumulates; each worker accumulates the global batch's micro-batches."""
+    asynchronous = RunPlan(devices_per_node=3, num_nodes=1, data_parallel_size=1, tensor_parallel_size=1,
+                           global_batch_size=32, micro_batch_size=4, sequence_length=64,
+                           precision=PRECISIONS["32-true"], seed=0, asynchronous_workers=2)
+    assert asynchronous.for_rank(1) == asynchronous.for_rank(2) == asynchronous and asynchronous.accumulation == 8
+    server = asynchronous.for_rank(0)
+    assert (server.micro_batch_size, server.accumulation) == (32, 1)
+    assert all(server.ends_optimizer_step(index) for index in range(3))
+    synchronous = plan(world_size=2, micro=4)
+    assert synchronous.for_rank(0) == synchronous
 
 
 def test_non_dividing_batch_names_every_number() -> None:
@@ -50,7 +67,7 @@ def test_non_dividing_batch_names_every_number() -> None:
 def test_sizes_that_do_not_make_the_world_size_are_refused() -> None:
     with pytest.raises(UserError, match="data_parallel_size=2 x tensor_parallel_size=2 must equal the world size 2"):
         RunPlan(devices_per_node=2, num_nodes=1, data_parallel_size=2, tensor_parallel_size=2, global_batch_size=8,
-                micro_batch_size=2, sequence_length=8, precision="32-true", seed=0)
+                micro_batch_size=2, sequence_length=8, precision=PRECISIONS["32-true"], seed=0)
     with pytest.raises(UserError, match="data.micro_batch_size=0 must be a positive integer"):
         plan(micro=0)
 
@@ -62,7 +79,7 @@ def test_the_plan_is_resolved_from_the_config_alone(debug_run_args: list[str]) -
                      "--trainer.precision", "bf16"])
     resolved = check_config(cli.config)
     assert (resolved.world_size, resolved.data_parallel_size, resolved.accumulation) == (4, 4, 2)
-    assert (resolved.seed, resolved.precision, resolved.sequence_length) == (7, "bf16-mixed", 64)
+    assert (resolved.seed, resolved.precision.name, resolved.sequence_length) == (7, "bf16-mixed", 64)
     assert cli.config.model.init_args.seed == 7  # linked, as vocab_size is
 
 

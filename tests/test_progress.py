@@ -13,6 +13,7 @@ import torch
 
 from app.observability.progress import StepProgress, format_duration
 from core.errors import UserError
+from core.precision import PRECISIONS
 from core.run_plan import RunPlan
 from tests.helpers import DDP_2, ONE_STEP, batch_sizes, run_cohort, run_in_process
 
@@ -40,7 +41,7 @@ def fake_run(world_size: int, accumulation: int, step: int = 0) -> tuple[SimpleN
     """A trainer at optimizer step ``step`` of 8, and a module whose plan has a global batch of 32 x 128 tokens."""
     plan = RunPlan(devices_per_node=world_size, num_nodes=1, data_parallel_size=world_size, tensor_parallel_size=1,
                    global_batch_size=32, micro_batch_size=32 // (world_size * accumulation), sequence_length=128,
-                   precision="32-true", seed=1)
+                   precision=PRECISIONS["32-true"], seed=1)
     assert plan.accumulation == accumulation
     trainer = SimpleNamespace(global_step=step, estimated_stepping_batches=8, log_every_n_steps=2,
                               callback_metrics={"train/loss": torch.tensor(2.5), "lr": torch.tensor(1e-3)},

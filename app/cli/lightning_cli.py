@@ -192,7 +192,7 @@ class CohortCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         """Build the trainer, model and datamodule, and hand the run plan to them."""
         super().instantiate_classes()
-        plan = self.run_plan
+        plan = self.run_plan.for_rank(self.trainer.global_rank)
         self.model.run_plan = self.datamodule.run_plan = plan
         self.trainer.accumulate_grad_batches = plan.accumulation
         val_every_n_steps = self.config[self.subcommand].val_every_n_steps

@@ -27,6 +27,7 @@ from app.strategies.local_updates import UPDATE_METHODS
 from app.strategies.parameter_server.strategy import check_asynchronous
 from app.strategies.pipeline import PipelineParallelStrategy
 from core.errors import UserError, check_ranges, check_writable_folder
+from core.precision import precision_named
 from core.run_plan import RunPlan
 from datamodules.prepare import DEFAULT_CORPUS_DIR
 from models.module import CohortModule
@@ -34,8 +35,6 @@ from models.module import CohortModule
 # PipelineParallelStrategy's arguments and their defaults: the one place they are written is its signature
 PIPELINE_DEFAULTS = {name: parameter.default for name, parameter in
                      inspect.signature(PipelineParallelStrategy.__init__).parameters.items() if name != "self"}
-PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
-SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
 class Preflight:
@@ -133,15 +132,16 @@ def check_config(config: Namespace) -> RunPlan:
     check_strategy(trainer.strategy, accelerator_name(trainer))
     pipeline, data_parallel, tensor_parallel = parallel_sizes(trainer)
     world_size = devices_per_node(trainer) * int(trainer.num_nodes)
+    precision = precision_named(trainer.precision)
     asynchronous = is_parameter_server(trainer.strategy)
     if asynchronous:
-        check_asynchronous(config, world_size, precision_name(trainer.precision))
+        check_asynchronous(config, world_size, precision.name)
     plan = RunPlan(
         devices_per_node=devices_per_node(trainer), num_nodes=int(trainer.num_nodes),
         data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel,
         global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch_size,
         sequence_length=getattr(data, "sequence_length", 1),  # tokens per sample; an image counts as one
-        precision=precision_name(trainer.precision), seed=config.seed_everything,
+        precision=precision, seed=config.seed_everything,
         pipeline_parallel_size=pipeline, **pipeline_options(trainer),
         unit=getattr(class_of(config.data.class_path), "unit", "tokens"),
         asynchronous_workers=world_size - 1 if asynchronous else 0,
@@ -350,17 +350,9 @@ def check_local_updates(config: Namespace, world_size: int) -> None:
                        "weights are then rank 0's)")
 
 
-def precision_name(precision: str | int | None) -> str:
-    """Lightning's full name for a precision the config gives; a UserError for one Cohort does not support."""
-    name = "32-true" if precision is None else PRECISION_ALIASES.get(str(precision), str(precision))
-    if name not in SUPPORTED_PRECISIONS:
-        raise UserError(f"trainer.precision={precision!r} is not supported: use one of {', '.join(SUPPORTED_PRECISIONS)}")
-    return name
-
-
 def resolve_precision(precision: str | int | None, accelerator: str) -> str:
     """The precision Lightning should get; a UserError where the device cannot run the one asked for."""
-    requested = precision_name(precision)
+    requested = precision_named(precision).name
     on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise UserError(

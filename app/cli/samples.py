@@ -3,7 +3,7 @@ continuations."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
 import torch
@@ -11,7 +11,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.safety.preemption import stopped_by_signal
-from models.language_model import GPTLanguageModel
+
+
+@runtime_checkable
+class WritesText(Protocol):
+    """A family that continues a (1, T) byte-level prompt (the GPT family's ``generate_text``)."""
+
+    def generate_text(self, prompt: torch.Tensor) -> str: ...
 
 
 class PrintGeneratedText(Callback):
@@ -21,7 +27,7 @@ class PrintGeneratedText(Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         datamodule = trainer.datamodule
-        if datamodule.vocab_size != 256 or not isinstance(pl_module, GPTLanguageModel) or stopped_by_signal(trainer):
+        if datamodule.vocab_size != 256 or not isinstance(pl_module, WritesText) or stopped_by_signal(trainer):
             return
         if pl_module.pipeline is not None:  # each rank holds one stage; sampling runs the whole model token by token
             rank_zero_info("\n--- no sample: generating needs the whole model; cohort consolidate the last checkpoint "

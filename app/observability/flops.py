@@ -19,9 +19,14 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 }
 
 
-def peak_tflops_per_device(device_name: str, precision: str) -> float | None:
-    """The table's peak for this GPU and precision; None when the device is not in the table (e.g. a CPU)."""
-    kind = "bf16" if "bf16" in precision else "fp16" if precision.startswith("16") else "tf32"
+# the data sheets' column for each compute dtype (float32 matmuls run as TF32 unless torch is told "highest")
+SHEET_COLUMNS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "tf32"}
+
+
+def peak_tflops_per_device(device_name: str, compute_dtype: torch.dtype) -> float | None:
+    """The table's peak for this GPU and the precision's compute dtype; None when the device is not in the table
+    (e.g. a CPU)."""
+    kind = SHEET_COLUMNS[compute_dtype]
     if kind == "tf32" and torch.get_float32_matmul_precision() == "highest":
         kind = "fp32"
     for model, peaks in PEAK_TFLOPS.items():
@@ -30,12 +35,10 @@ def peak_tflops_per_device(device_name: str, precision: str) -> float | None:
     return None
 
 
-def measured_peak_tflops(device: torch.device, precision: str, seconds: float = 0.2) -> float:
-    """The matmul TFLOP/s this device reaches now, in the precision's compute dtype: square matmuls, repeated for
-    about ``seconds`` after one to warm up. The peak for MFU where the table has none (a CPU, an unlisted GPU)."""
-    dtype = torch.bfloat16 if "bf16" in precision else torch.float16 if precision.startswith("16") else torch.float32
-    if device.type == "cpu" and dtype == torch.float16:
-        dtype = torch.bfloat16  # 16-mixed runs as bf16-mixed on CPUs
+def measured_peak_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 0.2) -> float:
+    """The matmul TFLOP/s this device reaches now in ``dtype`` (the precision's compute dtype): square matmuls,
+    repeated for about ``seconds`` after one to warm up. The peak for MFU where the table has none (a CPU, an
+    unlisted GPU)."""
     size = 4096 if device.type == "cuda" else 512
     a, b = torch.randn(size, size, device=device, dtype=dtype), torch.randn(size, size, device=device, dtype=dtype)
     a @ b  # warm-up: kernel selection, thread pools

@@ -10,11 +10,7 @@ gradient bucket was ready on this rank until backward returned; under local SGD 
 app/strategies/local_updates.py, the sync after the optimizer step every H steps) and other (the rest of the loop). On
 GPUs the compute and sync markers are CUDA events, so they measure the device, not the launch queue.
 
-A rank is slow in a window when its compute exceeds ``straggler_factor`` x the median of the *other* ranks' (with
-two ranks the median of all would be the mean of the pair, so a rank had to be 3x slower to pass 1.5). What the
-slowest rank costs the job is the others' wait for it, as a share of the step: their idle time (step time less compute
-and data wait) above its own, since it idles only for what every rank pays (the transfers, the loop's own work). Idle,
-not sync wait alone: under gradient accumulation the others also wait in Lightning's per-micro-batch broadcast.
+What the monitor concludes from each window (stragglers, a departing loss, slow data): app/observability/verdicts.py.
 
 Under a pipeline each rank also reports its stages' compute inside the schedule and the time it waited there on
 the other stages; that wait is idle, not compute. The share of the pipeline's time in which a rank did not compute
@@ -23,9 +19,6 @@ is its measured bubble, logged per rank beside the schedule's theoretical (p - 1
 
 from __future__ import annotations
 
-import bisect
-import logging
-import math
 import resource
 import socket
 import statistics
@@ -38,10 +31,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info
 
 from app.observability.flops import measured_peak_tflops, peak_tflops_per_device
 from app.observability.tensorboard_layout import log_final_val_loss, write_layout
+from app.observability.verdicts import DataWaitWatch, StragglerWatch, loss_departures
+from core.errors import check_ranges
 from core.run_plan import run_plan_of
 from models.pipeline import theoretical_bubble
 
@@ -51,8 +46,6 @@ FIELDS = ("data_wait_s", "compute_s", "sync_wait_s", "step_s", "pipeline_compute
 PIPELINE_FIELDS = ("pipeline_compute_s", "pipeline_wait_s")  # logged under a pipeline only
 PER_STEP_FIELDS = ("data_wait_s", "compute_s", "sync_wait_s", "step_s")
 GIB = 2**30
-# alerts go through logging, not warnings: a run started with -W ignore must still hear about a straggler
-alert = rank_zero_only(logging.getLogger(__name__).warning)
 
 
 def host_rss_bytes() -> float:
@@ -62,24 +55,6 @@ def host_rss_bytes() -> float:
             return int(statm.read().split()[1]) * resource.getpagesize()
     except OSError:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def median_of_others(values: list[float]) -> list[float]:
-    """For each value, the median of all the other values (two values or more), in O(n log n): a median per rank of
-    a copied list would take seconds a window at thousands of ranks."""
-    ordered = sorted(values)
-    others = len(values) - 1
-
-    def kth_other(k: int, removed: int) -> float:
-        """The k-th smallest value once ``ordered[removed]`` is left out."""
-        return ordered[k] if k < removed else ordered[k + 1]
-
-    medians = []
-    for value in values:
-        removed = bisect.bisect_left(ordered, value)  # one copy of it: ties leave the same others whichever goes
-        upper = kth_other(others // 2, removed)
-        medians.append(upper if others % 2 else (kth_other(others // 2 - 1, removed) + upper) / 2)
-    return medians
 
 
 @runtime_checkable
@@ -134,32 +109,37 @@ class RankMonitor(Callback):
             straggler_windows: windows in a row a rank must be slow before it is reported as a straggler.
             data_wait_warning_share: warn when waiting for data exceeds this share of the step time.
             loss_alert_sigmas: warn when a rank's mean loss is this many standard errors from the others'.
-            peak_tflops: peak TFLOP/s of one device, for MFU; None: the data sheet's for GPUs in
-            app/observability/flops.py,
-                else what a short matmul probe measures at the start (CPUs, other GPUs).
+            peak_tflops: peak TFLOP/s of one device, for MFU; None: the data sheet's for GPUs
+                (app/observability/flops.py), else what a short matmul probe measures at the start (CPUs, other
+                GPUs).
             enabled: False leaves the monitor out of the run (the CLI removes it before fit).
         """
+        check_ranges("monitor", {
+            "every_n_steps": (every_n_steps is None or every_n_steps >= 1, ">= 1, or null"),
+            "straggler_factor": (straggler_factor >= 1, "at least 1"),
+            "straggler_windows": (straggler_windows >= 1, ">= 1"),
+            "data_wait_warning_share": (0 <= data_wait_warning_share <= 1, "between 0 and 1"),
+            "loss_alert_sigmas": (loss_alert_sigmas > 0, "above 0"),
+            "peak_tflops": (peak_tflops is None or peak_tflops > 0, "above 0, or null"),
+        }, locals())
         self.enabled = enabled
         self.every_n_steps = every_n_steps
-        self.straggler_factor = straggler_factor
-        self.straggler_windows = straggler_windows
-        self.data_wait_warning_share = data_wait_warning_share
         self.loss_alert_sigmas = loss_alert_sigmas
         self.peak_tflops = peak_tflops
+        self.stragglers = StragglerWatch(straggler_factor, straggler_windows)
+        self.data_wait = DataWaitWatch(data_wait_warning_share)
         self.hosts: list[str] = []
         self.summary: list[dict[str, float]] = []  # one entry per window, on every rank
-        self.straggler_events = 0
         self._sync_measured = False  # set at train start: sync wait is timed (DDP on 2 ranks or more)
         self._pipeline: Any = None  # set at train start: the module's Pipeline (models/pipeline.py), if any
         self._cuda = False  # set at train start: the device is a GPU
-        self._slow_windows: dict[int, int] = {}
-        self._data_wait_warned = False
 
     # ----- setup -----
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._trainer = trainer
         self._pipeline = getattr(pl_module, "pipeline", None)
-        self.every_n_steps = self.every_n_steps or trainer.log_every_n_steps
+        if self.every_n_steps is None:
+            self.every_n_steps = trainer.log_every_n_steps
         self._cuda = trainer.strategy.root_device.type == "cuda"
         self._plan = plan = run_plan_of(pl_module)
         # a "token" is a sample's unit of work: a token of text, or a whole image (sequence_length 1)
@@ -167,9 +147,10 @@ class RankMonitor(Callback):
         device_name = torch.cuda.get_device_name(trainer.strategy.root_device) if self._cuda else "CPU"
         self.peak, self.peak_source = self.peak_tflops, "monitor.peak_tflops"
         if self.peak is None:
-            self.peak, self.peak_source = peak_tflops_per_device(device_name, str(trainer.precision)), "data sheet"
+            self.peak = peak_tflops_per_device(device_name, plan.precision.compute_dtype)
+            self.peak_source = "data sheet"
         if self.peak is None:  # ranks sharing a machine probe together, so each gets its share, as in training
-            self.peak = measured_peak_tflops(trainer.strategy.root_device, str(trainer.precision))
+            self.peak = measured_peak_tflops(trainer.strategy.root_device, plan.precision.compute_dtype)
             self.peak_source = "matmul probe at start"
         self.hosts = [socket.gethostname()] * trainer.world_size
         if dist.is_available() and dist.is_initialized():
@@ -311,18 +292,10 @@ class RankMonitor(Callback):
             metrics.update({f"monitor/{name}/rank{rank}": value for rank, value in enumerate(values)})
         if self._pipeline is not None:
             metrics.update(self._bubble(window))
-        data_share = [d / s for d, s in zip(window["data_wait_s"], window["step_s"])]
-        metrics["monitor/data_wait_share/max"] = max(data_share)
-        metrics.update(self._stragglers(window) | self._loss_outliers(window))
-        metrics["monitor/straggler_events"] = self.straggler_events
+        metrics.update(self.data_wait.judge(window, trainer.datamodule.num_workers))
+        metrics.update(self.stragglers.judge(window, self.hosts, self._sync_measured))
+        metrics.update(loss_departures(window, self.loss_alert_sigmas))
         self.summary.append(metrics)
-        if max(data_share) > self.data_wait_warning_share and not self._data_wait_warned:
-            self._data_wait_warned = True
-            rank = data_share.index(max(data_share))
-            workers = trainer.datamodule.num_workers
-            alert(f"data loading takes {max(data_share):.0%} of the step time on rank {rank}: raise "
-                           f"data.num_workers (now {workers}), set data.pin_memory true on GPUs, or keep the token "
-                           "files on a local disk")
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
@@ -340,44 +313,6 @@ class RankMonitor(Callback):
             plan.pipeline_parallel_size, plan.pipeline_microbatches, plan.stages_per_rank)
         return metrics
 
-    def _stragglers(self, window: dict[str, Any]) -> dict[str, float]:
-        compute = window["compute_s"]
-        if len(compute) < 2:
-            return {"monitor/slowest_rank_ratio": 1.0}
-        others = median_of_others(compute)
-        ratios = [seconds / median if median > 0 else 1.0 for seconds, median in zip(compute, others)]
-        idle = [s - c - d for s, c, d in zip(window["step_s"], compute, window["data_wait_s"])]
-        waits = [max(0.0, median - own) for own, median in zip(idle, median_of_others(idle))]  # others' wait for it
-        step = statistics.median(window["step_s"])
-        for rank, ratio in enumerate(ratios):
-            self._slow_windows[rank] = self._slow_windows.get(rank, 0) + 1 if ratio > self.straggler_factor else 0
-            if self._slow_windows[rank] == self.straggler_windows:
-                self.straggler_events += 1
-                cost = (f"; the others wait {waits[rank]:.3f} s/step for it ({waits[rank] / step:.0%} of the step)"
-                        if self._sync_measured else "; every rank waits for it")
-                alert(f"straggler: rank {rank} on {self.hosts[rank]} computes {compute[rank]:.3f} s/step against "
-                      f"a median of {others[rank]:.3f} s on the other ranks ({ratio:.1f}x) for "
-                      f"{self.straggler_windows} windows in a row{cost}")
-        slowest = ratios.index(max(ratios))
-        metrics = {"monitor/slowest_rank_ratio": ratios[slowest]}
-        if self._sync_measured:  # untimed, the others' wait in the all-reduce counts as their compute, not idle
-            metrics["monitor/straggler_cost_share"] = waits[slowest] / step
-        return metrics
-
-    def _loss_outliers(self, window: dict[str, Any]) -> dict[str, float]:
-        """A rank whose mean loss is further from the others' median than batch noise explains."""
-        losses, stds, n = window["loss"], window["loss_std"], window["losses_per_rank"]
-        if len(losses) < 2 or n < 2:
-            return {}
-        median = statistics.median(losses)
-        noise = statistics.median(stds) / math.sqrt(n)  # standard error of one rank's window mean
-        departures = [abs(loss - median) / noise if noise > 0 else 0.0 for loss in losses]
-        for rank, sigmas in enumerate(departures):
-            if sigmas > self.loss_alert_sigmas:
-                alert(f"rank {rank} loss {losses[rank]:.4f} is {sigmas:.1f} standard errors from the "
-                               f"median {median:.4f}: check its data and its weights")
-        return {"monitor/loss_departure_sigmas/max": max(departures)}
-
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         log_final_val_loss(trainer)
         if not self.summary or not trainer.is_global_zero:
@@ -394,7 +329,7 @@ class RankMonitor(Callback):
             ("step time, median rank", f"{mean('monitor/step_s/median'):.3f} s"),
             ("data wait share, worst rank", f"{max(w['monitor/data_wait_share/max'] for w in self.summary):.1%}"),
             ("host RSS, largest rank", f"{max(w['monitor/host_rss_gib/max'] for w in self.summary):.2f} GiB"),
-            ("straggler events", str(self.straggler_events)),
+            ("straggler events", str(self.stragglers.events)),
             ("waiting for the slowest rank", f"{mean('monitor/straggler_cost_share'):.1%} of the step"
              if "monitor/straggler_cost_share" in last else "n/a (sync wait not timed)"),
         ]

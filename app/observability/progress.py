@@ -63,7 +63,7 @@ class StepProgress(ProgressBar):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.terminal = sys.stdout.isatty() if self.interactive is None else self.interactive
-        self.every = self.every_n_steps or trainer.log_every_n_steps
+        self.every = trainer.log_every_n_steps if self.every_n_steps is None else self.every_n_steps
         self.total = trainer.estimated_stepping_batches  # max_steps, or what max_epochs allows; inf: unbounded
         self.tokens_per_step = run_plan_of(pl_module).tokens_per_step
         self.unit = run_plan_of(pl_module).unit

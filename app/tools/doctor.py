@@ -99,7 +99,7 @@ def check_memory(config: Namespace, model: CohortModule, plan: RunPlan) -> Check
     fsdp_checkpointing = getattr(getattr(trainer.strategy, "init_args", None), "activation_checkpointing_policy", None)
     estimate = estimate_memory(
         model.plain_network, module_step_loss(model, plan.sequence_length),
-        plan.micro_batch_size, plan.precision, strategy, plan.data_parallel_size, plan.tensor_parallel_size,
+        plan.micro_batch_size, plan.precision.name, strategy, plan.data_parallel_size, plan.tensor_parallel_size,
         plan.pipeline_parallel_size, plan.pipeline_microbatches if plan.pipeline_parallel_size > 1 else None,
         activation_checkpointing=bool(model.hparams.get("activation_checkpointing") or fsdp_checkpointing),
         device_type="cuda" if on_gpu else "cpu",

@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from core.errors import UserError
+from core.precision import Precision, precision_named
 from models.parallelize import repeated_blocks
 
 if TYPE_CHECKING:
@@ -56,15 +57,6 @@ if TYPE_CHECKING:
 
 GIB = 2**30
 
-# Lightning's precision names: (dtype of parameters, gradients and optimizer state; autocast's dtype or None)
-PRECISIONS: dict[str, tuple[torch.dtype, torch.dtype | None]] = {
-    "32-true": (torch.float32, None),
-    "32": (torch.float32, None),
-    "bf16-mixed": (torch.float32, torch.bfloat16),
-    "16-mixed": (torch.float32, torch.float16),
-    "bf16-true": (torch.bfloat16, None),
-    "16-true": (torch.float16, None),
-}
 STRATEGIES = ("single", "ddp", "fsdp")  # fsdp: FSDP, FSDP2 and ModelParallelStrategy (fully sharded)
 
 # Allowances on a GPU, not measured: the CUDA context with cuBLAS/cuDNN workspaces and NCCL's buffers (0.5-1 GiB
@@ -146,8 +138,7 @@ class NetworkProfile:
     device; ``estimate_memory`` spreads it over a layout."""
 
     micro_batch_size: int
-    parameter_dtype: torch.dtype
-    compute_dtype: torch.dtype | None  # autocast's, or None
+    precision: Precision
     block_parameters: tuple[int, ...]  # parameters of each repeated block
     other_parameters: int  # embeddings, heads, final norms: everything outside the blocks
     block_saved_bytes: tuple[int, ...]  # bytes autograd saves inside each block
@@ -270,11 +261,9 @@ def profile_network(
 ) -> NetworkProfile:
     """Build the network on the meta device and run ``step_loss(network, micro_batch_size)`` (which makes the
     inputs, on the default device, and returns the loss) and its backward there, recording what is saved."""
-    if precision not in PRECISIONS:
-        raise UserError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
-    parameter_dtype, compute_dtype = PRECISIONS[precision]
+    resolved = precision_named(precision)
     with torch.device("meta"):
-        network = build_network().to(parameter_dtype).train()
+        network = build_network().to(resolved.parameter_dtype).train()
         parameters = list(network.parameters())  # each once: a tied weight is one parameter
         block_list = list(blocks(network) if blocks is not None else repeated_blocks(network))
         block_parameters = tuple(sum(p.numel() for p in block.parameters()) for block in block_list)
@@ -303,7 +292,7 @@ def profile_network(
             return tensor
 
         tracker = LiveTensors()
-        step = MetaStep(compute_dtype, device_type, parameters)
+        step = MetaStep(resolved.autocast_dtype, device_type, parameters)
         try:
             with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 with step:
@@ -327,8 +316,7 @@ def profile_network(
     peak = tracker.peak_bytes(excluded=gradient_keys | parameter_keys) - sum(copies.values())
     return NetworkProfile(
         micro_batch_size=micro_batch_size,
-        parameter_dtype=parameter_dtype,
-        compute_dtype=compute_dtype,
+        precision=resolved,
         block_parameters=block_parameters,
         other_parameters=sum(p.numel() for p in parameters) - sum(block_parameters),
         block_saved_bytes=tuple(block_saved),
@@ -390,7 +378,7 @@ def estimate_memory(
     else:
         advice.append((f"FSDP over {2 * data_parallel_size} data-parallel ranks", spread(profile, micro_batch_size, **{
             **layout, "data_parallel_size": 2 * data_parallel_size}).total))
-    if precision in ("32-true", "32"):
+    if precision_named(precision).name == "32-true":
         mixed = profile_network(build_network, step_loss, micro_batch_size, "bf16-mixed", device_type, blocks)
         advice.append(("bf16-mixed precision", spread(mixed, micro_batch_size, **layout).total))
     advice.sort(key=lambda change: change[1])
@@ -414,7 +402,7 @@ def spread(
     # a stage holds its share of the blocks and, conservatively, everything outside them (with a tied embedding
     # the first and the last stage both hold it); tensor parallelism splits the blocks' matrices
     local_parameters = (profile.other_parameters + sum(profile.block_parameters) / (tp * stages)) / shards
-    parameter_bytes = int(local_parameters * profile.parameter_dtype.itemsize)
+    parameter_bytes = int(local_parameters * profile.precision.parameter_dtype.itemsize)
 
     scale = micro_batch_size / profile.micro_batch_size
     temporaries = profile.temporary_bytes
@@ -434,13 +422,14 @@ def spread(
     activations = int(scale * (kept + temporaries) / microbatches)
 
     other_parts = []
-    compute_itemsize = (profile.compute_dtype or profile.parameter_dtype).itemsize
+    compute_itemsize = profile.precision.compute_dtype.itemsize
     if strategy == "fsdp":
         # gathered units: the root's parameters, the running block and the one prefetched, in the compute dtype;
         # and one block's unsharded gradients before they are reduce-scattered (float32)
         largest_block = max(profile.block_parameters, default=0) / tp
         gathered = profile.other_parameters * compute_itemsize + 2 * largest_block * compute_itemsize
-        other_parts.append(("FSDP gathered", int(gathered + largest_block * profile.parameter_dtype.itemsize)))
+        parameter_bytes_each = profile.precision.parameter_dtype.itemsize
+        other_parts.append(("FSDP gathered", int(gathered + largest_block * parameter_bytes_each)))
     elif profile.weight_copy_bytes:
         share = (profile.other_parameters + sum(profile.block_parameters) / (tp * stages)) / profile.parameter_count
         other_parts.append(("weight copies", int(profile.weight_copy_bytes * share)))

@@ -42,7 +42,6 @@ others then lose the server and stop too. A server that dies ends every worker a
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -61,7 +60,6 @@ from app.strategies.parameter_server.protocol import SERVER_RANK
 from app.strategies.parameter_server.server import ParameterServer, Push, Pushes
 from app.strategies.parameter_server.worker import Worker
 from core.errors import UserError, check_ranges
-from core.run_plan import run_plan_of
 from datamodules.samplers import GlobalBatchSampler
 
 STALENESS_POLICIES = ("drop", "scale")
@@ -124,13 +122,7 @@ class ParameterServerStrategy(DDPStrategy):
         for metric in self.lightning_module.modules():  # the server validates alone: no metric gathers over ranks
             if isinstance(metric, Metric):
                 metric.sync_on_compute = metric._to_sync = metric.dist_sync_on_step = False
-        plan = run_plan_of(self.lightning_module)
-        if self.is_server:  # its batches are pushes, each a whole optimizer step
-            server_plan = replace(plan, micro_batch_size=plan.global_batch_size)
-            self.lightning_module.run_plan = trainer.datamodule.run_plan = server_plan
-            trainer.accumulate_grad_batches = 1
-            if isinstance(trainer.val_check_interval, int):
-                trainer.val_check_interval //= plan.accumulation  # the CLI counted the workers' micro-batches
+        if self.is_server:  # its batches are pushes, each a whole optimizer step (its run plan says so)
             return
         self.worker = Worker(self, self._group)
         trainer.limit_val_batches = 0
