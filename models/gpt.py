@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from core.errors import UserError
+from models.sampling import sample
 
 
 @dataclass(frozen=True)
@@ -154,25 +155,10 @@ class GPT(nn.Module):
         """Parameters counted once each (the tied head shares the token embedding)."""
         return sum(p.numel() for p in self.parameters())
 
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
         """Extend the (B, T) prompt by sampling ``max_new_tokens`` tokens, cropping the context to block_size."""
-        for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size :]
-            logits = self(context)[:, -1, :] / max(temperature, 1e-5)
-            if top_k is not None:
-                kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-            next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
-            idx = torch.cat((idx, next_token), dim=1)
-        return idx
+        return sample(self, idx, max_new_tokens, self.config.block_size, temperature, top_k, generator)
 
 
 def training_flops_per_token(config: GPTConfig, sequence_length: int) -> float:

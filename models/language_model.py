@@ -1,4 +1,6 @@
-"""The LightningModule that trains a GPT: loss, metrics, optimizer, LR schedule and text generation."""
+"""The LightningModules that train next-token language models: what every such family shares (the loss, the
+validation and test loss and perplexity, generation) and the GPT family (models/llama_language_model.py holds the
+Llama family)."""
 
 from __future__ import annotations
 
@@ -34,70 +36,62 @@ GPT_PIPELINE_SPLIT = PipelineSplit(first=("wte", "wpe", "drop"), last=("ln_f", "
                                    head=GPT.head)
 
 
-class GPTLanguageModel(CohortModule):
+class CausalLanguageModel(CohortModule):
+    """A family that predicts each next token. Its ``config`` (``named_config``'s) has n_layer, n_head,
+    block_size and vocab_size; its network maps token ids (B, T) to logits and has ``generate``."""
+
     commands = ("fit", "validate", "test", "predict")  # test: the loss on val.bin; predict continues prompts
-    def __init__(
-        self,
-        model_name: str = "small",
-        vocab_size: int | None = None,
-        dropout: float = 0.0,
-        max_new_tokens: int = 200,
-        temperature: float = 0.8,
-        top_k: int | None = 40,
-        activation_checkpointing: bool = False,
-        compile: bool = False,
-        optimizer: OptimizerSettings = OptimizerSettings(),
-        seed: int = DEFAULT_SEED,
-    ) -> None:
-        """
-        Args:
-            model_name: a size from models.gpt.GPT_CONFIGS ("debug", "small", "gpt2", ...).
-            vocab_size: overrides the size's vocabulary; the CLI links it to data.vocab_size.
-            dropout: dropout probability in embeddings, attention and MLP.
-            max_new_tokens: tokens generated per prompt by ``predict``.
-            temperature: sampling temperature for generation.
-            top_k: sample among the k most likely tokens only; None samples from all.
-            activation_checkpointing: recompute each block's activations in backward instead of keeping them.
-            compile: torch.compile each Transformer block.
-            optimizer: AdamW and its schedule (models/optimizer.py); a field given keeps the others' defaults.
-            seed: the initial weights and generation's sampling follow from it; the CLI links it to seed_everything.
-        """
+    label = "language model"  # what ``describe`` calls the family
+
+    def __init__(self, optimizer: OptimizerSettings, max_new_tokens: int, temperature: float,
+                 top_k: int | None) -> None:
         super().__init__(optimizer)
-        self.save_hyperparameters()
         check_ranges("model", {
-            "dropout": (0 <= dropout < 1, "in [0, 1)"),
             "max_new_tokens": (max_new_tokens >= 0, ">= 0"),
             "temperature": (temperature > 0, "> 0"),
             "top_k": (top_k is None or top_k >= 1, ">= 1, or null to sample from all tokens"),
-        }, locals())
-        self.config = gpt_config(model_name, vocab_size=vocab_size, dropout=dropout)
+        }, {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k})
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
 
-    # ----- the family's part of CohortModule -----
-    def plain_network(self) -> GPT:
-        return GPT(self.config)
+    @classmethod
+    def named_config(cls, model_name: str, vocab_size: int | None) -> Any:
+        """The family's config of the named size, with its vocabulary where given; a UserError for an unknown
+        name."""
+        raise NotImplementedError
+
+    @staticmethod
+    def sharded_head_counts(config: Any) -> tuple[int, ...]:
+        """The head counts that tensor parallelism divides among its ranks."""
+        return (config.n_head,)
+
+    def training_flops_per_token(self, sequence_length: int) -> float:
+        """The family's formula for training FLOPs per token (6N + 12·L·H·Q·T), which torch's count is checked
+        against."""
+        raise NotImplementedError
+
+    def flops_per_sample(self, sequence_length: int) -> float:
+        """torch's count, checked against the family's formula."""
+        counted = super().flops_per_sample(sequence_length)
+        formula = self.training_flops_per_token(sequence_length) * sequence_length
+        if abs(counted - formula) > 0.05 * formula:
+            rank_zero_warn(f"FLOP count {counted:.4g}/sample differs from 6N + 12LHQT = {formula:.4g}")
+        return counted
 
     def batch_loss(self, network: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch
         return F.cross_entropy(network(inputs).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
 
-    def flops_per_sample(self, sequence_length: int) -> float:
-        """torch's count, checked against the standard formula 6N + 12·L·H·Q·T."""
-        counted = super().flops_per_sample(sequence_length)
-        formula = training_flops_per_token(self.config, sequence_length) * sequence_length
-        if abs(counted - formula) > 0.05 * formula:
-            rank_zero_warn(f"FLOP count {counted:.4g}/sample differs from 6N + 12LHQT = {formula:.4g}")
-        return counted
-
     @classmethod
     def check_config(cls, model: Namespace, data: Namespace, plan: RunPlan) -> None:
-        """The pipeline split, the tensor-parallel heads and the context against the named size."""
-        config = gpt_config(model.model_name, vocab_size=data.vocab_size)
+        """The pipeline split, the tensor-parallel heads (query and key/value) and the context against the named
+        size."""
+        config = cls.named_config(model.model_name, data.vocab_size)
         name = f"model '{model.model_name}'"
         check_stages_have_blocks(plan, config.n_layer, name)
         try:
-            check_tensor_parallel_size(config.n_head, plan.tensor_parallel_size)
+            for heads in cls.sharded_head_counts(config):
+                check_tensor_parallel_size(heads, plan.tensor_parallel_size)
         except ValueError as error:
             raise UserError(f"{error} ({name})") from None
         if data.sequence_length > config.block_size:
@@ -109,15 +103,9 @@ class GPTLanguageModel(CohortModule):
         without building it)."""
         parameters = self.num_parameters()
         c = self.config
-        return (f"GPT '{self.hparams.model_name}', {c.n_layer} layers x {c.n_head} heads, width {c.n_embd}, context "
+        return (f"{self.label} '{self.hparams.model_name}', {c.n_layer} layers x {c.n_head} heads, width {c.n_embd}, context "
                 f"{c.block_size}, vocabulary {c.vocab_size}: {parameters:,} parameters ({parameters * 4 / 2**20:,.1f} "
                 "MiB in float32)")
-
-    def tensor_parallel_plan(self) -> TensorParallelPlan:
-        return GPT_TENSOR_PARALLEL_PLAN
-
-    def pipeline_split(self) -> PipelineSplit:
-        return GPT_PIPELINE_SPLIT
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._update_mean_loss(self.val_loss, batch)
@@ -165,6 +153,58 @@ class GPTLanguageModel(CohortModule):
         )
         self.model.train(was_training)
         return decode_bytes(tokens[0, prompt.size(1) :])
+
+
+class GPTLanguageModel(CausalLanguageModel):
+    label = "GPT"
+
+    def __init__(
+        self,
+        model_name: str = "small",
+        vocab_size: int | None = None,
+        dropout: float = 0.0,
+        max_new_tokens: int = 200,
+        temperature: float = 0.8,
+        top_k: int | None = 40,
+        activation_checkpointing: bool = False,
+        compile: bool = False,
+        optimizer: OptimizerSettings = OptimizerSettings(),
+        seed: int = DEFAULT_SEED,
+    ) -> None:
+        """
+        Args:
+            model_name: a size from models.gpt.GPT_CONFIGS ("debug", "small", "gpt2", ...).
+            vocab_size: overrides the size's vocabulary; the CLI links it to data.vocab_size.
+            dropout: dropout probability in embeddings, attention and MLP.
+            max_new_tokens: tokens generated per prompt by ``predict``.
+            temperature: sampling temperature for generation.
+            top_k: sample among the k most likely tokens only; None samples from all.
+            activation_checkpointing: recompute each block's activations in backward instead of keeping them.
+            compile: torch.compile each Transformer block.
+            optimizer: AdamW and its schedule (models/optimizer.py); a field given keeps the others' defaults.
+            seed: the initial weights and generation's sampling follow from it; the CLI links it to seed_everything.
+        """
+        super().__init__(optimizer, max_new_tokens, temperature, top_k)
+        self.save_hyperparameters()
+        check_ranges("model", {"dropout": (0 <= dropout < 1, "in [0, 1)")}, locals())
+        self.config = gpt_config(model_name, vocab_size=vocab_size, dropout=dropout)
+
+    # ----- the family's part of CohortModule -----
+    def plain_network(self) -> GPT:
+        return GPT(self.config)
+
+    def training_flops_per_token(self, sequence_length: int) -> float:
+        return training_flops_per_token(self.config, sequence_length)
+
+    @classmethod
+    def named_config(cls, model_name: str, vocab_size: int | None) -> GPTConfig:
+        return gpt_config(model_name, vocab_size=vocab_size)
+
+    def tensor_parallel_plan(self) -> TensorParallelPlan:
+        return GPT_TENSOR_PARALLEL_PLAN
+
+    def pipeline_split(self) -> PipelineSplit:
+        return GPT_PIPELINE_SPLIT
 
 
 def decode_bytes(tokens: torch.Tensor) -> str:

@@ -1,0 +1,118 @@
+"""The Llama family (models/llama.py, models/llama_language_model.py): its parts do what the architecture says, its
+named sizes are the published ones, it computes what Hugging Face's LlamaForCausalLM computes from the same
+tensors (where transformers is installed), and it trains under DDP, FSDP2, tensor parallelism and the pipeline as
+one process does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.llama import LLAMA_CONFIGS, Attention, Llama, LlamaConfig, rotary_tables, rotate
+from models.llama_language_model import LlamaLanguageModel
+from tests.helpers import (
+    COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_comparable_runs_agree, fit, scalars,
+)
+
+LLAMA = ["-c", str(CONFIG_DIR / "llama-small/pretrain.yaml")]
+TINY = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, block_size=16, vocab_size=64)
+
+
+def test_the_named_sizes_have_the_published_parameter_counts() -> None:
+    """Llama 3.2 1B (tied head) and Llama 3.1 8B, counted on the meta device."""
+    with torch.device("meta"):
+        counts = {name: sum(p.numel() for p in Llama(LLAMA_CONFIGS[name]).parameters()) for name in ("1b", "8b")}
+    assert counts == {"1b": 1_235_814_400, "8b": 8_030_261_248}
+
+
+def test_rotary_scores_depend_on_the_distance_between_positions_only() -> None:
+    """q at position m against k at position n scores the same as at m + s and n + s: RoPE encodes m - n."""
+    generator = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 1, 1, 8, generator=generator).unbind(0)  # (1, 1, hs) each
+    cos, sin = rotary_tables(12, 8, 10000.0, torch.device("cpu"))
+
+    def score(m: int, n: int) -> torch.Tensor:
+        return (rotate(q, cos[m], sin[m]) * rotate(k, cos[n], sin[n])).sum()
+
+    assert torch.allclose(score(3, 1), score(10, 8), atol=1e-5)
+    assert not torch.allclose(score(3, 1), score(3, 2), atol=1e-3)
+    assert torch.allclose(rotate(q, cos[0], sin[0]), q)  # position 0 turns nothing
+
+
+def test_grouped_query_attention_shares_each_key_value_head_within_its_group() -> None:
+    """The module's output equals causal attention with each of the 2 key/value heads repeated for its 2 query
+    heads (rotary positions applied to queries and keys)."""
+    torch.manual_seed(0)
+    attention = Attention(TINY)
+    x = torch.randn(3, 10, TINY.n_embd)
+    q = attention.q_proj(x).view(3, 10, 4, 8).transpose(1, 2)
+    k = attention.k_proj(x).view(3, 10, 2, 8).transpose(1, 2)
+    v = attention.v_proj(x).view(3, 10, 2, 8).transpose(1, 2)
+    cos, sin = rotary_tables(10, 8, TINY.rope_base, x.device)
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    scores = q @ k.repeat_interleave(2, dim=1).transpose(-2, -1) / 8**0.5
+    scores = scores.masked_fill(torch.ones(10, 10, dtype=torch.bool).triu(1), float("-inf"))
+    expected = attention.o_proj((scores.softmax(-1) @ v.repeat_interleave(2, dim=1)).transpose(1, 2).reshape(3, 10, -1))
+    assert torch.allclose(attention(x), expected, atol=1e-5)
+
+
+def test_torchs_flop_count_is_the_formula() -> None:
+    """6N over the matmul weights + 12·L·H·Q·T: torch's counter on the meta device agrees to the FLOP, so MFU is
+    as right for this family as for the GPT."""
+    family = LlamaLanguageModel("debug")
+    assert family.flops_per_sample(64) == family.training_flops_per_token(64) * 64 == 13_369_344
+
+
+def test_a_sequence_longer_than_the_context_is_refused() -> None:
+    with pytest.raises(ValueError, match="exceeds the model's block_size 16"):
+        Llama(TINY)(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_hugging_face_llama_computes_the_same_logits_from_the_same_tensors() -> None:
+    """Hugging Face's LlamaForCausalLM (rotate-half RoPE, as Cohort's) with random weights from the same config:
+    its state dict, less the ``model.`` prefix, is Cohort's, and the logits agree to float32 rounding."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[hf]'")
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=TINY.vocab_size, hidden_size=TINY.n_embd, intermediate_size=TINY.intermediate_size,
+        num_hidden_layers=TINY.n_layer, num_attention_heads=TINY.n_head, num_key_value_heads=TINY.n_kv_head,
+        max_position_embeddings=TINY.block_size, rope_theta=TINY.rope_base, rms_norm_eps=TINY.norm_eps,
+        tie_word_embeddings=False, attn_implementation="eager")).eval()
+    ours = Llama(TINY).eval()
+    ours.load_state_dict({name.removeprefix("model."): tensor for name, tensor in reference.state_dict().items()
+                          if not name.endswith("rotary_emb.inv_freq")})
+    tokens = torch.randint(0, TINY.vocab_size, (2, TINY.block_size), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, logits = reference(input_ids=tokens).logits, ours(tokens)
+    assert (logits - expected).abs().max() < 1e-5, (logits - expected).abs().max()
+
+
+def llama_run(byte_corpus: Path) -> list[str]:
+    """The Llama recipe made small: the debug size, COMPARABLE_RUN's 4 clipped steps validated after each."""
+    return [*LLAMA, "--model.model_name", "debug", "--data.data_dir", str(byte_corpus), "--data.sequence_length", "64",
+            "--trainer.log_every_n_steps", "1", "--model.optimizer.warmup_steps", "2", "--model.max_new_tokens", "0",
+            *COMPARABLE_RUN]
+
+
+@pytest.fixture(scope="module")
+def llama_straight(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) -> Path:
+    return fit(tmp_path_factory.mktemp("llama-straight"), llama_run(byte_corpus))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    DDP_2,
+    MODEL_PARALLEL,
+    [*MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
+     "--trainer.strategy.init_args.tensor_parallel_size", "2"],
+    ["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")],
+], ids=["ddp", "fsdp2", "tensor-parallel", "pipeline"])
+def test_llama_trains_under_every_strategy_as_one_process_does(tmp_path: Path, byte_corpus: Path,
+                                                               llama_straight: Path, layout: list[str]) -> None:
+    """Replicated, sharded per block, split by its plan (query, key/value and gate/up projections by columns: each
+    rank keeps 2 query heads and their key/value head), or cut into 2 pipeline stages: the same validation loss and
+    clipped gradient norm every step, and the same weights (within the Adam bound), as one process."""
+    assert min(scalars(llama_straight, "train/grad_norm")) > 0.1  # above COMPARABLE_RUN's clip: clipping bites
+    assert_comparable_runs_agree(llama_straight, fit(tmp_path / "other", [*llama_run(byte_corpus), *layout]))
