@@ -84,6 +84,12 @@ def qkv_by_kind(qkv: torch.Tensor, n_head: int) -> torch.Tensor:
     return per_head.transpose(0, 1).reshape(qkv.shape)  # (3, nh, hs, ...) flattened back
 
 
+def qkv_by_head(qkv: torch.Tensor, n_head: int) -> torch.Tensor:
+    """``qkv_by_kind`` undone: GPT-2's rows (q of every head, then k, then v) in Cohort's head by head layout."""
+    per_kind = qkv.view(3, n_head, -1, *qkv.shape[1:])  # (3, nh, hs, ...)
+    return per_kind.transpose(0, 1).reshape(qkv.shape)  # (nh, 3, hs, ...) flattened back
+
+
 def check_is_gpt2(config: GPTConfig) -> None:
     if not config.bias:
         raise UserError("the model has no biases (bias=False), and GPT-2 has biases in every Linear and LayerNorm: "

@@ -4,6 +4,7 @@ Llama family)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -24,6 +25,7 @@ from models.module import CohortModule
 from models.optimizer import OptimizerSettings
 from models.parallelize import TensorParallelPlan, build_network, check_tensor_parallel_size
 from models.pipeline import PipelineSplit, StageSpan, check_stages_have_blocks, keep_stage
+from models.pretrained import HuggingFaceFolder, check_pretrained, weight_reader
 
 # Megatron-style: the first projection of attention and of the MLP split by output columns (whole heads, thanks to
 # GPT's head-interleaved qkv layout), the second by input rows, so each block needs one all-reduce forward and one
@@ -97,6 +99,13 @@ class CausalLanguageModel(CohortModule):
         if data.sequence_length > config.block_size:
             raise UserError(f"data.sequence_length={data.sequence_length} exceeds the block_size {config.block_size} "
                             f"of {name}: shorten the sequences or pick a larger model")
+        if model.init_from is not None:
+            check_pretrained(HuggingFaceFolder(model.init_from), config, model.model_name)
+
+    def pretrained_weights(self) -> Callable[[str], torch.Tensor] | None:
+        if self.hparams.init_from is None:
+            return None
+        return weight_reader(HuggingFaceFolder(self.hparams.init_from), self.config)
 
     def describe(self) -> str:
         """One line on the model: its size, shape and parameter count (counted on the meta device, so before and
@@ -162,6 +171,7 @@ class GPTLanguageModel(CausalLanguageModel):
         self,
         model_name: str = "small",
         vocab_size: int | None = None,
+        init_from: str | None = None,
         dropout: float = 0.0,
         max_new_tokens: int = 200,
         temperature: float = 0.8,
@@ -175,6 +185,8 @@ class GPTLanguageModel(CausalLanguageModel):
         Args:
             model_name: a size from models.gpt.GPT_CONFIGS ("debug", "small", "gpt2", ...).
             vocab_size: overrides the size's vocabulary; the CLI links it to data.vocab_size.
+            init_from: a local Hugging Face folder (config.json, model.safetensors or its shards) of this size whose
+                weights the run starts from (models/pretrained.py); None: initial weights from the seed.
             dropout: dropout probability in embeddings, attention and MLP.
             max_new_tokens: tokens generated per prompt by ``predict``.
             temperature: sampling temperature for generation.

@@ -31,6 +31,7 @@ class LlamaLanguageModel(CausalLanguageModel):
         self,
         model_name: str = "small",
         vocab_size: int | None = None,
+        init_from: str | None = None,
         max_new_tokens: int = 200,
         temperature: float = 0.8,
         top_k: int | None = 40,
@@ -43,6 +44,8 @@ class LlamaLanguageModel(CausalLanguageModel):
         Args:
             model_name: a size from models.llama.LLAMA_CONFIGS ("debug", "small", "1b", "8b").
             vocab_size: overrides the size's vocabulary; the CLI links it to data.vocab_size.
+            init_from: a local Hugging Face folder (config.json, model.safetensors or its shards) of this size whose
+                weights the run starts from (models/pretrained.py); None: initial weights from the seed.
             max_new_tokens: tokens generated per prompt by ``predict``.
             temperature: sampling temperature for generation.
             top_k: sample among the k most likely tokens only; None samples from all.

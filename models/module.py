@@ -102,6 +102,11 @@ class CohortModule(L.LightningModule):
         with pipeline_parallel_size > 1 (the pre-flight checks refuse it)."""
         return None
 
+    def pretrained_weights(self) -> Callable[[str], torch.Tensor] | None:
+        """Reads each parameter's full tensor by name from the weights the run starts from; None: initialise them
+        from the seed."""
+        return None
+
     def prepare_batch(self, batch: Any, batch_idx: int) -> Any:
         """The micro-batch ``batch_idx`` as ``batch_loss`` and a pipeline take it: (inputs, targets), what the first
         stage reads and what the loss compares with. The data's batch unchanged, unless the family corrupts its
@@ -153,7 +158,7 @@ class CohortModule(L.LightningModule):
             activation_checkpointing=self.hparams.get("activation_checkpointing", False),
             compile=self.hparams.get("compile", False),
             autocast_dtype=self.run_plan.precision.autocast_dtype if self.run_plan is not None else None,
-            keep_stage=keep_stage,
+            keep_stage=keep_stage, pretrained=self.pretrained_weights(),
         )
 
     @property

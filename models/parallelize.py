@@ -47,12 +47,14 @@ def build_network(
     compile: bool = False,
     autocast_dtype: torch.dtype | None = None,
     keep_stage: Callable[[nn.Module], None] | None = None,
+    pretrained: Callable[[str], torch.Tensor] | None = None,
 ) -> nn.Module:
     """``make_network()`` on ``device``, parallelised over ``device_mesh`` (dims "data_parallel" and
     "tensor_parallel") if given, and initialised from ``seed``. ``autocast_dtype`` (mixed precision's) is the dtype
     FSDP2 gathers the weights in, except in a network with batch norms, whose float32 running statistics cannot meet
     half-precision weights (autocast then runs its convolutions in half precision, as under DDP). ``keep_stage``
-    removes what other pipeline stages hold, so that only this rank's stage is built."""
+    removes what other pipeline stages hold, so that only this rank's stage is built. ``pretrained`` reads each
+    parameter's full tensor by name (models/pretrained.py) instead of initialising it from ``seed``."""
     with torch.device("meta"):
         network = make_network()
     if keep_stage is not None:
@@ -71,7 +73,10 @@ def build_network(
         apply_fsdp(network, block_list, device_mesh["data_parallel"], None if batch_norms else autocast_dtype,
                    reshard_after_forward=keep_stage is None)
     materialize(network, device)
-    initialize(network, seed, make_network)
+    if pretrained is not None:
+        load_weights(network, pretrained)
+    else:
+        initialize(network, seed, make_network)
     return network
 
 
@@ -200,6 +205,15 @@ def copy_reference_weights(network: nn.Module, seed: int, make_network: Callable
         name = raw_name.replace(CHECKPOINT_WRAPPER_PREFIX, "")
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         local.copy_(local_slice(reference[name].detach().to(local.device), tensor))
+
+
+@torch.no_grad()
+def load_weights(network: nn.Module, read: Callable[[str], torch.Tensor]) -> None:
+    """Every parameter from ``read(name)``, its full tensor in the network's layout (a pretrained model's), each
+    rank keeping its own slice: one tensor at a time, so no rank holds the whole model."""
+    for raw_name, param in network.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        local.copy_(local_slice(read(raw_name.replace(CHECKPOINT_WRAPPER_PREFIX, "")).to(local.device), param))
 
 
 def local_slice(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:

@@ -1,0 +1,203 @@
+"""Pretrained weights from a local Hugging Face folder: ``config.json`` and ``model.safetensors`` (or shards listed
+in ``model.safetensors.index.json``), read as data (safetensors holds tensors only; a pickled ``.bin`` is refused).
+
+A folder is checked before anything is built (``check_folder``): its ``config.json`` must describe the family's
+named size exactly, and its tensors must be the network's parameters, by name and shape, with none left over. The
+network is then built on the meta device as usual and each rank reads only the tensors of its own parameters,
+keeping its own slice (models/parallelize.py ``load_weights``): no rank ever holds the whole model, under FSDP2,
+tensor parallelism or a pipeline.
+
+    family   Hugging Face class      names
+    Llama    LlamaForCausalLM        Cohort's = Hugging Face's without ``model.`` (models/llama.py)
+    GPT      GPT2LMHeadModel         models/huggingface.py's table, Conv1D weights transposed, qkv head by head
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from core.errors import UserError
+from models.gpt import GPT, GPTConfig
+from models.huggingface import PROJECTIONS, qkv_by_head
+from models.llama import Llama, LlamaConfig
+
+WEIGHTS_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+# tensors a Hugging Face file may hold that are not weights: rotary tables and GPT-2's causal masks
+NOT_WEIGHTS = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
+# where a Cohort parameter is read from: the folder's tensor, and what turns it into Cohort's layout
+Source = tuple[str, Callable[[torch.Tensor], torch.Tensor]]
+
+
+class HuggingFaceFolder:
+    """A local Hugging Face model folder, its tensors opened lazily: reading one tensor reads that tensor only."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        where = f"model.init_from={path}"
+        if not (self.path / "config.json").is_file():
+            raise UserError(f"{where} is not a Hugging Face model folder (no config.json there): give the folder that "
+                            "save_pretrained wrote")
+        if (self.path / INDEX_FILE).is_file():
+            index = json.loads((self.path / INDEX_FILE).read_text())
+            self.files = {name: self.path / file for name, file in index["weight_map"].items()}
+        elif (self.path / WEIGHTS_FILE).is_file():
+            with safe_open(self.path / WEIGHTS_FILE, framework="pt") as weights:
+                self.files = dict.fromkeys(weights.keys(), self.path / WEIGHTS_FILE)
+        elif any(self.path.glob("*.bin")):
+            raise UserError(f"{where} holds pickled .bin weights, which Cohort does not unpickle: convert them once "
+                            "with transformers (from_pretrained, then save_pretrained(folder, safe_serialization=True))")
+        else:
+            raise UserError(f"{where} has neither {WEIGHTS_FILE} nor {INDEX_FILE}: give the folder that "
+                            "save_pretrained wrote")
+        missing = sorted({str(file.name) for file in self.files.values() if not file.is_file()})
+        if missing:
+            raise UserError(f"{where}: {INDEX_FILE} names shards that are not there ({', '.join(missing)}): copy the "
+                            "whole folder")
+        self.config: dict[str, Any] = json.loads((self.path / "config.json").read_text())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        with safe_open(self.files[name], framework="pt") as weights:
+            return tuple(weights.get_slice(name).get_shape())
+
+    def tensor(self, name: str) -> torch.Tensor:
+        with safe_open(self.files[name], framework="pt") as weights:
+            return weights.get_tensor(name)
+
+
+def llama_config_from(folder: HuggingFaceFolder) -> LlamaConfig:
+    """The LlamaConfig that ``config.json`` describes; a UserError for what models/llama.py does not compute."""
+    config = folder.config
+    where = f"model.init_from={folder.path}"
+    if config.get("model_type") != "llama":
+        raise UserError(f"{where} holds a {config.get('model_type')!r} model, not a Llama: give a Llama folder, or "
+                        "the family its config.json names")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    unsupported = {"hidden_act": (config.get("hidden_act", "silu"), "silu"), "rope type": (rope_type, "default"),
+                   "attention_bias": (config.get("attention_bias", False), False),
+                   "mlp_bias": (config.get("mlp_bias", False), False)}
+    head_size = config["hidden_size"] // config["num_attention_heads"]
+    unsupported["head_dim"] = (config.get("head_dim") or head_size, head_size)
+    differing = [f"{name}={found!r} (Cohort's Llama: {expected!r})" for name, (found, expected) in unsupported.items()
+                 if found != expected]
+    if differing:
+        raise UserError(f"{where}: its config.json asks for what Cohort's Llama does not compute: "
+                        f"{', '.join(differing)}")
+    return LlamaConfig(n_layer=config["num_hidden_layers"], n_head=config["num_attention_heads"],
+                       n_kv_head=config.get("num_key_value_heads") or config["num_attention_heads"],
+                       n_embd=config["hidden_size"], intermediate_size=config["intermediate_size"],
+                       block_size=config["max_position_embeddings"], vocab_size=config["vocab_size"],
+                       rope_base=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+                       norm_eps=config.get("rms_norm_eps", 1e-6),
+                       tie_word_embeddings=config.get("tie_word_embeddings", False))
+
+
+def gpt_config_from(folder: HuggingFaceFolder) -> GPTConfig:
+    """The GPTConfig that a GPT-2 ``config.json`` describes; a UserError for what models/gpt.py does not compute."""
+    config = folder.config
+    where = f"model.init_from={folder.path}"
+    if config.get("model_type") != "gpt2":
+        raise UserError(f"{where} holds a {config.get('model_type')!r} model, not a GPT-2: give a GPT-2 folder, or "
+                        "the family its config.json names")
+    expected = {"activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
+                "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+                "tie_word_embeddings": True, "n_inner": 4 * config["n_embd"]}
+    found = {**config, "n_inner": config.get("n_inner") or 4 * config["n_embd"]}  # None: 4 x n_embd
+    differing = [f"{name}={found.get(name, value)!r} (Cohort's GPT: {value!r})" for name, value in expected.items()
+                 if found.get(name, value) != value]
+    if differing:
+        raise UserError(f"{where}: its config.json asks for what Cohort's GPT does not compute: {', '.join(differing)}")
+    return GPTConfig(n_layer=config["n_layer"], n_head=config["n_head"], n_embd=config["n_embd"],
+                     block_size=config["n_positions"], vocab_size=config["vocab_size"])
+
+
+def check_config_is(named: Any, imported: Any, model_name: str, folder: HuggingFaceFolder) -> None:
+    """A UserError naming every field where the folder's model is not the named size."""
+    differing = [f"{field.name} {getattr(imported, field.name)} (model '{model_name}': {getattr(named, field.name)})"
+                 for field in fields(named) if field.name != "dropout"
+                 and getattr(imported, field.name) != getattr(named, field.name)]
+    if differing:
+        raise UserError(f"model.init_from={folder.path} is not a model '{model_name}': its config.json has "
+                        f"{', '.join(differing)}; set model.model_name to the size it is")
+
+
+def llama_source_name(name: str, config: LlamaConfig) -> str:
+    """The Hugging Face tensor a Cohort Llama parameter is read from (a tied head is the embedding)."""
+    if name == "lm_head.weight":
+        return "model.embed_tokens.weight" if config.tie_word_embeddings else name
+    return f"model.{name}"
+
+
+def gpt2_source(name: str, config: GPTConfig, prefix: str) -> Source:
+    """The GPT-2 tensor a Cohort GPT parameter is read from, and what turns it into Cohort's layout. ``prefix`` is
+    "transformer." in GPT2LMHeadModel's files, "" in GPT2Model's (the original gpt2 release's)."""
+    if name == "lm_head.weight":  # tied to wte: GPT-2 files leave it out
+        return f"{prefix}wte.weight", lambda tensor: tensor
+    if not name.startswith("blocks."):
+        return f"{prefix}{name}", lambda tensor: tensor
+    _, index, rest = name.split(".", 2)
+    module, kind = rest.rsplit(".", 1)
+    source = f"{prefix}h.{index}.{PROJECTIONS.get(module, module)}.{kind}"
+    if module not in PROJECTIONS:
+        return source, lambda tensor: tensor
+
+    def to_cohort(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.t() if kind == "weight" else tensor  # Conv1D stores (in, out)
+        return qkv_by_head(tensor, config.n_head) if module == "attn.qkv" else tensor
+
+    return source, to_cohort
+
+
+def sources(folder: HuggingFaceFolder, config: LlamaConfig | GPTConfig) -> Callable[[str], Source]:
+    """Cohort parameter name -> the folder's tensor it is read from, and what turns that into Cohort's layout."""
+    if isinstance(config, LlamaConfig):
+        return lambda name: (llama_source_name(name, config), lambda tensor: tensor)
+    prefix = "transformer." if "transformer.wte.weight" in folder.files else ""
+    return lambda name: gpt2_source(name, config, prefix)
+
+
+def check_pretrained(folder: HuggingFaceFolder, config: LlamaConfig | GPTConfig, model_name: str) -> None:
+    """A UserError unless the folder holds exactly the network of ``config`` (the named size): its config.json,
+    then its tensors' names and shapes (read from the files' headers: no tensor is loaded)."""
+    if isinstance(config, LlamaConfig):
+        imported, network_class = llama_config_from(folder), Llama
+    else:
+        imported, network_class = gpt_config_from(folder), GPT
+    check_config_is(config, imported, model_name, folder)
+    with torch.device("meta"):
+        network = network_class(config)
+    source_of = sources(folder, config)
+    expected = {name: tuple(param.shape) for name, param in network.named_parameters()}
+    read = {name: source_of(name) for name in expected}
+    missing = sorted(source for source, _ in read.values() if source not in folder.files)
+    reshaped = []
+    for name, (source, to_cohort) in read.items():
+        if source in folder.files:
+            shape = tuple(to_cohort(torch.empty(folder.shape(source), device="meta")).shape)
+            if shape != expected[name]:
+                reshaped.append(f"{source} {folder.shape(source)} (Cohort's {name}: {expected[name]})")
+    used = {source for source, _ in read.values()}
+    unused = sorted(name for name in folder.files if name not in used and not name.endswith(NOT_WEIGHTS))
+    problems = [f"{kind}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}" for kind, names in
+                (("missing", missing), ("other shapes", reshaped), ("not used", unused)) if names]
+    if problems:
+        raise UserError(f"model.init_from={folder.path} does not hold the weights its config.json describes "
+                        f"({'; '.join(problems)}): give a folder that save_pretrained wrote")
+
+
+def weight_reader(folder: HuggingFaceFolder, config: LlamaConfig | GPTConfig) -> Callable[[str], torch.Tensor]:
+    """Cohort parameter name -> its full tensor from the folder, in Cohort's layout."""
+    source_of = sources(folder, config)
+
+    def read(name: str) -> torch.Tensor:
+        source, to_cohort = source_of(name)
+        return to_cohort(folder.tensor(source))
+
+    return read

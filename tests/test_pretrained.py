@@ -1,0 +1,151 @@
+"""Starting from pretrained weights (models/pretrained.py): a Hugging Face folder's tensors load into Cohort's
+networks exactly, into every rank's slice under FSDP2, tensor parallelism and the pipeline; a folder that is not
+the named size's, or not safetensors, is refused in one line before anything is built. Where transformers is
+installed, folders that LlamaForCausalLM and GPT2LMHeadModel save give Cohort the logits transformers computes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from core.errors import UserError
+from models.gpt import GPT_CONFIGS
+from models.language_model import GPTLanguageModel
+from models.llama import LLAMA_CONFIGS, Llama
+from models.llama_language_model import LlamaLanguageModel
+from models.pretrained import HuggingFaceFolder, check_pretrained
+from tests.helpers import CONFIG_DIR, MODEL_PARALLEL, one_line_error, validate
+
+DEBUG = LLAMA_CONFIGS["debug"]
+# config.json of a LlamaForCausalLM of the debug size, as save_pretrained writes it (transformers 4 and 5 alike)
+DEBUG_CONFIG_JSON = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": DEBUG.vocab_size,
+    "hidden_size": DEBUG.n_embd, "intermediate_size": DEBUG.intermediate_size, "num_hidden_layers": DEBUG.n_layer,
+    "num_attention_heads": DEBUG.n_head, "num_key_value_heads": DEBUG.n_kv_head, "hidden_act": "silu",
+    "max_position_embeddings": DEBUG.block_size, "rms_norm_eps": DEBUG.norm_eps, "tie_word_embeddings": False,
+    "rope_theta": DEBUG.rope_base, "attention_bias": False, "mlp_bias": False,
+}
+
+
+def write_llama_folder(folder: Path, seed: int = 5, **config_changes: object) -> Llama:
+    """A Hugging Face Llama folder of the debug size holding a Cohort Llama's weights drawn under ``seed``."""
+    torch.manual_seed(seed)
+    network = Llama(DEBUG)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({**DEBUG_CONFIG_JSON, **config_changes}))
+    save_file(huggingface_names(network.state_dict()), folder / "model.safetensors")
+    return network
+
+
+def huggingface_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Cohort Llama's tensors under LlamaForCausalLM's names: ``model.`` before all but the head."""
+    return {name if name == "lm_head.weight" else f"model.{name}": tensor.contiguous()
+            for name, tensor in state_dict.items()}
+
+
+def test_a_folder_loads_into_the_network_exactly(tmp_path: Path) -> None:
+    """The family builds its network from the folder (models/parallelize.py on the meta device, then each parameter
+    read by name) and computes what the network that wrote it computes, to the bit."""
+    source = write_llama_folder(tmp_path / "llama")
+    family = LlamaLanguageModel("debug", init_from=str(tmp_path / "llama"))
+    tokens = torch.randint(0, DEBUG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(family.build()(tokens), source(tokens))
+
+
+def test_sharded_safetensors_with_an_index_load_too(tmp_path: Path) -> None:
+    folder = tmp_path / "sharded"
+    source = write_llama_folder(folder)
+    tensors = huggingface_names(source.state_dict())
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, shard_names in shards.items():
+        save_file({name: tensors[name] for name in shard_names}, folder / file)
+    weight_map = {name: file for file, shard_names in shards.items() for name in shard_names}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    tokens = torch.randint(0, DEBUG.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(LlamaLanguageModel("debug", init_from=str(folder)).build()(tokens), source(tokens))
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda folder: (folder / "config.json").unlink(), "is not a Hugging Face model folder (no config.json there)"),
+    (lambda folder: (folder / "model.safetensors").rename(folder / "pytorch_model.bin"),
+     "holds pickled .bin weights, which Cohort does not unpickle: convert them once"),
+    (lambda folder: (folder / "config.json").write_text(json.dumps({**DEBUG_CONFIG_JSON, "model_type": "mistral"})),
+     "holds a 'mistral' model, not a Llama"),
+    (lambda folder: (folder / "config.json").write_text(json.dumps({**DEBUG_CONFIG_JSON, "hidden_size": 64})),
+     "is not a model 'debug': its config.json has n_embd 64 (model 'debug': 32)"),
+    (lambda folder: (folder / "config.json").write_text(json.dumps(
+        {**DEBUG_CONFIG_JSON, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})),
+     "asks for what Cohort's Llama does not compute: rope type='llama3' (Cohort's Llama: 'default')"),
+    (lambda folder: save_file({"model.embed_tokens.weight": torch.zeros(256, 32)}, folder / "model.safetensors"),
+     "does not hold the weights its config.json describes (missing: lm_head.weight, model.layers.0."),
+    (lambda folder: save_file({**huggingface_names(Llama(DEBUG).state_dict()), "model.extra.weight": torch.zeros(1)},
+                              folder / "model.safetensors"),
+     "(not used: model.extra.weight)"),
+], ids=["no-config", "pickle", "another-architecture", "another-size", "rope-scaling", "missing", "extra"])
+def test_a_folder_that_is_not_the_named_size_is_refused_in_one_line(tmp_path: Path, change: object,
+                                                                     expected: str) -> None:
+    folder = tmp_path / "llama"
+    write_llama_folder(folder)
+    change(folder)
+    with pytest.raises(UserError) as error:
+        check_pretrained(HuggingFaceFolder(folder), DEBUG, "debug")
+    assert expected in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_the_command_refuses_a_folder_of_another_size_before_it_starts(tmp_path: Path, byte_corpus: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    write_llama_folder(tmp_path / "llama")
+    args = ["fit", "-c", str(CONFIG_DIR / "llama-small/pretrain.yaml"), "--data.data_dir", str(byte_corpus),
+            "--model.init_from", str(tmp_path / "llama")]
+    assert "is not a model 'small': its config.json has n_layer 2 (model 'small': 4)" in one_line_error(args, monkeypatch)
+
+
+@pytest.mark.slow
+def test_every_rank_loads_its_slice_under_fsdp2_tensor_parallelism_and_the_pipeline(tmp_path: Path,
+                                                                                   byte_corpus: Path) -> None:
+    """``cohort validate`` of the folder gives one process's validation loss under every layout (each rank read its
+    own slice of each tensor, or its stage's tensors only), and not the loss of the seed's initial weights."""
+    write_llama_folder(tmp_path / "llama")
+    run = ["-c", str(CONFIG_DIR / "llama-small/pretrain.yaml"), "--model.model_name", "debug",
+           "--data.data_dir", str(byte_corpus), "--data.sequence_length", "64", "--data.val_samples", "16",
+           "--trainer.limit_val_batches", "1.0", "--data.global_batch_size", "8", "--data.micro_batch_size", "4"]
+    pretrained = [*run, "--model.init_from", str(tmp_path / "llama")]
+    layouts = {"one process": [], "fsdp2": MODEL_PARALLEL,
+               "tensor-parallel": [*MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
+                                   "--trainer.strategy.init_args.tensor_parallel_size", "2"],
+               "pipeline": ["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")]}
+    for name in [*layouts, "seed"]:
+        (tmp_path / name).mkdir()
+    losses = {name: validate(tmp_path / name, [*pretrained, *layout]) for name, layout in layouts.items()}
+    assert losses == pytest.approx({name: losses["one process"] for name in layouts}, rel=1e-5), losses
+    assert validate(tmp_path / "seed", run) != pytest.approx(losses["one process"], rel=1e-3)
+
+
+def test_hugging_face_folders_give_the_logits_transformers_computes(tmp_path: Path) -> None:
+    """LlamaForCausalLM and GPT2LMHeadModel of the debug sizes, random weights, saved with save_pretrained (no
+    download): the families built from the folders compute transformers' logits within float32 rounding (1e-5;
+    GPT-2's qkv rows are reordered head by head and its Conv1D weights transposed on the way in)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[hf]'")
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
+        key: value for key, value in DEBUG_CONFIG_JSON.items() if key not in ("model_type", "architectures")}))
+    gpt = GPT_CONFIGS["debug"]
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=gpt.n_layer, n_head=gpt.n_head, n_embd=gpt.n_embd, n_positions=gpt.block_size,
+        vocab_size=gpt.vocab_size))
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    for name, reference, family in (("llama", llama, LlamaLanguageModel), ("gpt2", gpt2, GPTLanguageModel)):
+        reference.eval().save_pretrained(tmp_path / name)
+        network = family("debug", init_from=str(tmp_path / name)).build().eval()
+        with torch.no_grad():
+            difference = (network(tokens) - reference(input_ids=tokens).logits).abs().max()
+        assert difference < 1e-5, (name, difference)
