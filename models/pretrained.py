@@ -71,25 +71,33 @@ class HuggingFaceFolder:
             return weights.get_tensor(name)
 
 
+def check_computable(folder: HuggingFaceFolder, model_type: str, family: str,
+                     settings: dict[str, tuple[object, object]]) -> None:
+    """A UserError unless ``config.json`` is of ``model_type`` and each setting (name: (found, what Cohort's
+    ``family`` computes)) is what Cohort computes."""
+    where = f"model.init_from={folder.path}"
+    if folder.config.get("model_type") != model_type:
+        raise UserError(f"{where} holds a {folder.config.get('model_type')!r} model, not a {family}: give a {family} "
+                        "folder, or use the family its config.json names")
+    differing = [f"{name}={found!r} (Cohort's {family}: {expected!r})" for name, (found, expected) in settings.items()
+                 if found != expected]
+    if differing:
+        raise UserError(f"{where}: its config.json asks for what Cohort's {family} does not compute: "
+                        f"{', '.join(differing)}")
+
+
 def llama_config_from(folder: HuggingFaceFolder) -> LlamaConfig:
     """The LlamaConfig that ``config.json`` describes; a UserError for what models/llama.py does not compute."""
     config = folder.config
-    where = f"model.init_from={folder.path}"
-    if config.get("model_type") != "llama":
-        raise UserError(f"{where} holds a {config.get('model_type')!r} model, not a Llama: give a Llama folder, or "
-                        "the family its config.json names")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    unsupported = {"hidden_act": (config.get("hidden_act", "silu"), "silu"), "rope type": (rope_type, "default"),
-                   "attention_bias": (config.get("attention_bias", False), False),
-                   "mlp_bias": (config.get("mlp_bias", False), False)}
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}  # transformers 5 and 4
     head_size = config["hidden_size"] // config["num_attention_heads"]
-    unsupported["head_dim"] = (config.get("head_dim") or head_size, head_size)
-    differing = [f"{name}={found!r} (Cohort's Llama: {expected!r})" for name, (found, expected) in unsupported.items()
-                 if found != expected]
-    if differing:
-        raise UserError(f"{where}: its config.json asks for what Cohort's Llama does not compute: "
-                        f"{', '.join(differing)}")
+    check_computable(folder, "llama", "Llama", {
+        "hidden_act": (config.get("hidden_act", "silu"), "silu"),
+        "rope type": (rope.get("rope_type", rope.get("type", "default")), "default"),
+        "attention_bias": (config.get("attention_bias", False), False),
+        "mlp_bias": (config.get("mlp_bias", False), False),
+        "head_dim": (config.get("head_dim") or head_size, head_size),
+    })
     return LlamaConfig(n_layer=config["num_hidden_layers"], n_head=config["num_attention_heads"],
                        n_kv_head=config.get("num_key_value_heads") or config["num_attention_heads"],
                        n_embd=config["hidden_size"], intermediate_size=config["intermediate_size"],
@@ -102,18 +110,11 @@ def llama_config_from(folder: HuggingFaceFolder) -> LlamaConfig:
 def gpt_config_from(folder: HuggingFaceFolder) -> GPTConfig:
     """The GPTConfig that a GPT-2 ``config.json`` describes; a UserError for what models/gpt.py does not compute."""
     config = folder.config
-    where = f"model.init_from={folder.path}"
-    if config.get("model_type") != "gpt2":
-        raise UserError(f"{where} holds a {config.get('model_type')!r} model, not a GPT-2: give a GPT-2 folder, or "
-                        "the family its config.json names")
-    expected = {"activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
+    computed = {"activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
                 "tie_word_embeddings": True, "n_inner": 4 * config["n_embd"]}
     found = {**config, "n_inner": config.get("n_inner") or 4 * config["n_embd"]}  # None: 4 x n_embd
-    differing = [f"{name}={found.get(name, value)!r} (Cohort's GPT: {value!r})" for name, value in expected.items()
-                 if found.get(name, value) != value]
-    if differing:
-        raise UserError(f"{where}: its config.json asks for what Cohort's GPT does not compute: {', '.join(differing)}")
+    check_computable(folder, "gpt2", "GPT", {name: (found.get(name, value), value) for name, value in computed.items()})
     return GPTConfig(n_layer=config["n_layer"], n_head=config["n_head"], n_embd=config["n_embd"],
                      block_size=config["n_positions"], vocab_size=config["vocab_size"])
 
