@@ -1,4 +1,9 @@
-"""Cohort's GPT as Hugging Face's GPT-2: the same network, so the weights only change names and layout.
+"""Cohort's networks as Hugging Face's: the same networks, so the weights only change names and layout.
+
+Llama (models/llama.py) is LlamaForCausalLM: the same names without ``model.`` (the head has none), the same
+rotate-half RoPE, nothing to transpose; a tied head is stored once, as the embedding.
+
+GPT (models/gpt.py) is GPT-2:
 
     Cohort (models/gpt.py)           Hugging Face (GPT2LMHeadModel)
     wte, wpe, ln_f                   transformer.wte, transformer.wpe, transformer.ln_f
@@ -20,9 +25,50 @@ import torch
 
 from core.errors import UserError
 from models.gpt import GPT, GPTConfig
+from models.llama import Llama, LlamaConfig
 
 # Cohort's Linear layers inside a block, by their GPT-2 Conv1D names
 PROJECTIONS = {"attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
+
+
+def llama_huggingface_name(name: str, config: LlamaConfig) -> str:
+    """The LlamaForCausalLM tensor that holds Cohort Llama parameter ``name`` (a tied head: the embedding)."""
+    if name == "lm_head.weight":
+        return "model.embed_tokens.weight" if config.tie_word_embeddings else name
+    return f"model.{name}"
+
+
+def huggingface_llama_config(config: LlamaConfig) -> dict[str, Any]:
+    """The ``config.json`` with which ``LlamaForCausalLM`` computes what Cohort's Llama of ``config`` computes."""
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head,
+        "hidden_size": config.n_embd,
+        "head_dim": config.head_size,
+        "intermediate_size": config.intermediate_size,
+        "max_position_embeddings": config.block_size,
+        "vocab_size": config.vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_base,  # transformers 4's key; 5 reads it too and writes rope_parameters
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_base},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": None,  # as for GPT-2 below: Cohort's data claims no special tokens
+        "eos_token_id": None,
+    }
+
+
+def huggingface_llama_state_dict(state_dict: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Cohort Llama weights (``Llama.state_dict()`` names) as LlamaForCausalLM's, each contiguous; a tied head once.
+    A UserError if they are not a Llama of ``config``."""
+    check_weights_fit(state_dict, config)
+    return {llama_huggingface_name(name, config): tensor.detach().contiguous() for name, tensor in state_dict.items()
+            if not (name == "lm_head.weight" and config.tie_word_embeddings)}
 
 
 def huggingface_gpt2_config(config: GPTConfig) -> dict[str, Any]:
@@ -96,10 +142,12 @@ def check_is_gpt2(config: GPTConfig) -> None:
                         "only a model with bias=True exports as GPT-2")
 
 
-def check_weights_fit(state_dict: dict[str, torch.Tensor], config: GPTConfig) -> None:
-    """A UserError unless ``state_dict`` holds exactly the weights of a Cohort GPT of ``config``, in their shapes."""
+def check_weights_fit(state_dict: dict[str, torch.Tensor], config: GPTConfig | LlamaConfig) -> None:
+    """A UserError unless ``state_dict`` holds exactly the weights of a Cohort GPT or Llama of ``config``, in their
+    shapes."""
+    family, network_class = ("Llama", Llama) if isinstance(config, LlamaConfig) else ("GPT", GPT)
     with torch.device("meta"):  # shapes only: nothing is allocated
-        expected = {name: tensor.shape for name, tensor in GPT(config).state_dict().items()}
+        expected = {name: tensor.shape for name, tensor in network_class(config).state_dict().items()}
     found = {name: tensor.shape for name, tensor in state_dict.items()}
     missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
     reshaped = [f"{name} {tuple(found[name])} (expected {tuple(shape)})" for name, shape in expected.items()
@@ -107,5 +155,6 @@ def check_weights_fit(state_dict: dict[str, torch.Tensor], config: GPTConfig) ->
     problems = [f"{kind} {names[:3]}" for kind, names in (("missing", missing), ("unexpected", unexpected),
                                                             ("other shapes:", reshaped)) if names]
     if problems:
-        raise UserError(f"the weights are not those of a Cohort GPT of {config.n_layer} layers, width {config.n_embd}, "
-                        f"vocabulary {config.vocab_size} ({'; '.join(problems)}): pass a checkpoint cohort fit wrote")
+        raise UserError(f"the weights are not those of a Cohort {family} of {config.n_layer} layers, width "
+                        f"{config.n_embd}, vocabulary {config.vocab_size} ({'; '.join(problems)}): pass a checkpoint "
+                        "cohort fit wrote")

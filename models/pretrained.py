@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from core.errors import UserError
 from models.gpt import GPT, GPTConfig
-from models.huggingface import PROJECTIONS, qkv_by_head
+from models.huggingface import PROJECTIONS, llama_huggingface_name, qkv_by_head
 from models.llama import Llama, LlamaConfig
 
 WEIGHTS_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
@@ -129,13 +129,6 @@ def check_config_is(named: Any, imported: Any, model_name: str, folder: HuggingF
                         f"{', '.join(differing)}; set model.model_name to the size it is")
 
 
-def llama_source_name(name: str, config: LlamaConfig) -> str:
-    """The Hugging Face tensor a Cohort Llama parameter is read from (a tied head is the embedding)."""
-    if name == "lm_head.weight":
-        return "model.embed_tokens.weight" if config.tie_word_embeddings else name
-    return f"model.{name}"
-
-
 def gpt2_source(name: str, config: GPTConfig, prefix: str) -> Source:
     """The GPT-2 tensor a Cohort GPT parameter is read from, and what turns it into Cohort's layout. ``prefix`` is
     "transformer." in GPT2LMHeadModel's files, "" in GPT2Model's (the original gpt2 release's)."""
@@ -159,7 +152,7 @@ def gpt2_source(name: str, config: GPTConfig, prefix: str) -> Source:
 def sources(folder: HuggingFaceFolder, config: LlamaConfig | GPTConfig) -> Callable[[str], Source]:
     """Cohort parameter name -> the folder's tensor it is read from, and what turns that into Cohort's layout."""
     if isinstance(config, LlamaConfig):
-        return lambda name: (llama_source_name(name, config), lambda tensor: tensor)
+        return lambda name: (llama_huggingface_name(name, config), lambda tensor: tensor)
     prefix = "transformer." if "transformer.wte.weight" in folder.files else ""
     return lambda name: gpt2_source(name, config, prefix)
 

@@ -137,7 +137,7 @@ def test_export_names_a_missing_checkpoint_in_one_line(tmp_path: Path, monkeypat
 
 
 @pytest.mark.parametrize("change, expected", [
-    ({"hyper_parameters": {}}, "is not a checkpoint of a Cohort GPT (no model_name among its hyperparameters)"),
+    ({"hyper_parameters": {}}, "is not a checkpoint of a Cohort GPT or Llama (no model_name among its hyperparameters)"),
     ({"hyper_parameters": {"model_name": "small", "vocab_size": 256}},
      "the weights are not those of a Cohort GPT of 4 layers, width 128, vocabulary 256 (missing ['blocks.2.attn"),
 ], ids=["no-model-name", "another-size"])

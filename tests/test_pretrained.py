@@ -12,13 +12,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from app.__main__ import main
 from core.errors import UserError
 from models.gpt import GPT_CONFIGS
 from models.language_model import GPTLanguageModel
 from models.llama import LLAMA_CONFIGS, Llama
 from models.llama_language_model import LlamaLanguageModel
 from models.pretrained import HuggingFaceFolder, check_pretrained
-from tests.helpers import CONFIG_DIR, MODEL_PARALLEL, one_line_error, validate
+from tests.helpers import (
+    CONFIG_DIR, MODEL_PARALLEL, batch_sizes, fit, last_checkpoint, last_checkpoint_contents, one_line_error, validate,
+)
 
 DEBUG = LLAMA_CONFIGS["debug"]
 # config.json of a LlamaForCausalLM of the debug size, as save_pretrained writes it (transformers 4 and 5 alike)
@@ -149,3 +152,32 @@ def test_hugging_face_folders_give_the_logits_transformers_computes(tmp_path: Pa
         with torch.no_grad():
             difference = (network(tokens) - reference(input_ids=tokens).logits).abs().max()
         assert difference < 1e-5, (name, difference)
+
+
+@pytest.mark.slow
+def test_hugging_face_llama_imported_trained_and_exported_loads_in_transformers(tmp_path: Path, byte_corpus: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The round trip: LlamaForCausalLM's folder -> cohort fit from it (3 steps) -> cohort export -> transformers
+    loads the export, and computes the trained Cohort network's logits within 1e-5."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[hf]'")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
+        key: value for key, value in DEBUG_CONFIG_JSON.items() if key not in ("model_type", "architectures")}
+    )).save_pretrained(tmp_path / "imported")
+    run = fit(tmp_path / "run", ["-c", str(CONFIG_DIR / "llama-small/pretrain.yaml"), "--model.model_name", "debug",
+                                 "--model.init_from", str(tmp_path / "imported"), "--data.data_dir", str(byte_corpus),
+                                 "--data.sequence_length", "64", "--trainer.max_steps", "3", "--val_every_n_steps", "3",
+                                 "--trainer.limit_val_batches", "1", "--model.max_new_tokens", "0",
+                                 *batch_sizes(8, 4)])
+    monkeypatch.setattr("sys.argv", ["cohort"])
+    main(["export", str(last_checkpoint(run)), "--out", str(tmp_path / "exported")])
+    trained = Llama(DEBUG).eval()
+    trained.load_state_dict({name.removeprefix("model."): tensor for name, tensor in
+                             last_checkpoint_contents(run)["state_dict"].items()})
+    imported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "imported").eval()
+    exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = trained(tokens)
+        assert (exported(input_ids=tokens).logits - logits).abs().max() < 1e-5
+        assert (imported(input_ids=tokens).logits - logits).abs().max() > 1e-3  # it trained
