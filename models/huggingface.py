@@ -53,14 +53,24 @@ def huggingface_llama_config(config: LlamaConfig) -> dict[str, Any]:
         "vocab_size": config.vocab_size,
         "hidden_act": "silu",
         "rms_norm_eps": config.norm_eps,
-        "rope_theta": config.rope_base,  # transformers 4's key; 5 reads it too and writes rope_parameters
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_base},
+        "rope_theta": config.rope_base,  # transformers 4's keys; 5 reads them too and writes rope_parameters
+        "rope_scaling": llama3_rope_scaling(config),
+        "rope_parameters": {"rope_theta": config.rope_base,
+                            **(llama3_rope_scaling(config) or {"rope_type": "default"})},
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": config.tie_word_embeddings,
         "bos_token_id": None,  # as for GPT-2 below: Cohort's data claims no special tokens
         "eos_token_id": None,
     }
+
+
+def llama3_rope_scaling(config: LlamaConfig) -> dict[str, Any] | None:
+    if config.rope_scaling is None:
+        return None
+    factor, low_freq_factor, high_freq_factor, trained_context = config.rope_scaling
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
+            "high_freq_factor": high_freq_factor, "original_max_position_embeddings": trained_context}
 
 
 def huggingface_llama_state_dict(state_dict: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ knows about processes, devices or precision (models/parallelize.py builds, shard
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -37,6 +38,9 @@ class LlamaConfig:
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
+    # Llama 3's long-context RoPE scaling: (factor, low_freq_factor, high_freq_factor, the context it was trained at);
+    # None: plain RoPE
+    rope_scaling: tuple[float, float, float, int] | None = None
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head != 0 or (self.n_embd // self.n_head) % 2 != 0:
@@ -49,17 +53,18 @@ class LlamaConfig:
         return self.n_embd // self.n_head
 
 
-# Named sizes: "debug" for tests, "small" learns the embedded byte-level corpus on 2 CPU cores, "1b" and "8b" the
-# shapes of Llama 3.2 1B and Llama 3.1 8B (RoPE base 500,000; their long-context RoPE scaling is not modelled).
+# Named sizes: "debug" for tests, "small" learns the embedded byte-level corpus on 2 CPU cores, "1b" and "8b" those of
+# Llama 3.2 1B and Llama 3.1 8B (RoPE base 500,000 with Llama 3's scaling to a 131,072-token context).
 LLAMA_CONFIGS: dict[str, LlamaConfig] = {
     "debug": LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, block_size=64,
                          vocab_size=256),
     "small": LlamaConfig(n_layer=4, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=352, block_size=128,
                          vocab_size=256),
-    "1b": LlamaConfig(n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, intermediate_size=8192, block_size=8192,
-                      vocab_size=128256, rope_base=500000.0, tie_word_embeddings=True),
-    "8b": LlamaConfig(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336, block_size=8192,
-                      vocab_size=128256, rope_base=500000.0),
+    "1b": LlamaConfig(n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, intermediate_size=8192, block_size=131072,
+                      vocab_size=128256, rope_base=500000.0, tie_word_embeddings=True,
+                      rope_scaling=(32.0, 1.0, 4.0, 8192)),
+    "8b": LlamaConfig(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336, block_size=131072,
+                      vocab_size=128256, rope_base=500000.0, rope_scaling=(8.0, 1.0, 4.0, 8192)),
 }
 
 
@@ -70,14 +75,28 @@ def llama_config(name: str, **overrides: int | float | bool | None) -> LlamaConf
     return replace(LLAMA_CONFIGS[name], **{key: value for key, value in overrides.items() if value is not None})
 
 
-def rotary_tables(sequence_length: int, head_size: int, base: float, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """cos and sin (T, hs) of each position's angles: frequency i turns by base^(-2i/hs) per position, and the two
-    halves of a head share the frequencies. Computed per forward (T x hs/2 products, nothing beside the matmuls),
-    so the network holds no buffer that sharding or initialisation would have to remember."""
+def rotary_tables(sequence_length: int, head_size: int, base: float, device: torch.device,
+                  scaling: tuple[float, float, float, int] | None = None) -> tuple[torch.Tensor, ...]:
+    """cos and sin (T, hs) of each position's angles: frequency i turns by base^(-2i/hs) per position (Llama 3's
+    ``scaling`` slows the low ones), and the two halves of a head share the frequencies. Computed per forward
+    (T x hs/2 products, nothing beside the matmuls), so the network holds no buffer that sharding or initialisation
+    would have to remember."""
     frequencies = base ** (-torch.arange(0, head_size, 2, device=device, dtype=torch.float32) / head_size)
+    if scaling is not None:
+        frequencies = llama3_scaled(frequencies, *scaling)
     angles = torch.outer(torch.arange(sequence_length, device=device, dtype=torch.float32), frequencies)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
+
+
+def llama3_scaled(frequencies: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                  trained_context: int) -> torch.Tensor:
+    """Llama 3's RoPE frequencies for a context beyond the one it was trained at: those whose wavelength is shorter
+    than trained_context / high_freq_factor stay, those longer than trained_context / low_freq_factor are divided by
+    ``factor``, and those between are blended smoothly."""
+    wavelengths = 2 * math.pi / frequencies
+    blend = ((trained_context / wavelengths - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0, 1)
+    return (1 - blend) * frequencies / factor + blend * frequencies
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -92,6 +111,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_size = config.head_size
         self.rope_base = config.rope_base
+        self.rope_scaling = config.rope_scaling
         self.q_proj = nn.Linear(config.n_embd, config.n_head * config.head_size, bias=False)
         self.k_proj = nn.Linear(config.n_embd, config.n_kv_head * config.head_size, bias=False)
         self.v_proj = nn.Linear(config.n_embd, config.n_kv_head * config.head_size, bias=False)
@@ -102,7 +122,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nh, T, hs); nh: this rank's
         k = self.k_proj(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.v_proj(x).view(B, T, -1, self.head_size).transpose(1, 2)
-        cos, sin = rotary_tables(T, self.head_size, self.rope_base, x.device)
+        cos, sin = rotary_tables(T, self.head_size, self.rope_base, x.device, self.rope_scaling)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, nh, T, hs)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))

@@ -90,10 +90,11 @@ def llama_config_from(folder: HuggingFaceFolder) -> LlamaConfig:
     """The LlamaConfig that ``config.json`` describes; a UserError for what models/llama.py does not compute."""
     config = folder.config
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}  # transformers 5 and 4
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
     head_size = config["hidden_size"] // config["num_attention_heads"]
     check_computable(folder, "llama", "Llama", {
         "hidden_act": (config.get("hidden_act", "silu"), "silu"),
-        "rope type": (rope.get("rope_type", rope.get("type", "default")), "default"),
+        "rope type": (rope_type, rope_type if rope_type in ("default", "llama3") else "default or llama3"),
         "attention_bias": (config.get("attention_bias", False), False),
         "mlp_bias": (config.get("mlp_bias", False), False),
         "head_dim": (config.get("head_dim") or head_size, head_size),
@@ -104,7 +105,10 @@ def llama_config_from(folder: HuggingFaceFolder) -> LlamaConfig:
                        block_size=config["max_position_embeddings"], vocab_size=config["vocab_size"],
                        rope_base=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
                        norm_eps=config.get("rms_norm_eps", 1e-6),
-                       tie_word_embeddings=config.get("tie_word_embeddings", False))
+                       tie_word_embeddings=config.get("tie_word_embeddings", False),
+                       rope_scaling=(float(rope["factor"]), float(rope["low_freq_factor"]),
+                                     float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+                       if rope_type == "llama3" else None)
 
 
 def gpt_config_from(folder: HuggingFaceFolder) -> GPTConfig:

@@ -5,12 +5,14 @@ one process does."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from models.llama import LLAMA_CONFIGS, Attention, Llama, LlamaConfig, rotary_tables, rotate
+from models.llama import LLAMA_CONFIGS, Attention, Llama, LlamaConfig, llama3_scaled, rotary_tables, rotate
 from models.llama_language_model import LlamaLanguageModel
 from tests.helpers import (
     COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_comparable_runs_agree, fit, scalars,
@@ -70,17 +72,42 @@ def test_a_sequence_longer_than_the_context_is_refused() -> None:
         Llama(TINY)(torch.zeros(1, 17, dtype=torch.long))
 
 
-def test_hugging_face_llama_computes_the_same_logits_from_the_same_tensors() -> None:
-    """Hugging Face's LlamaForCausalLM (rotate-half RoPE, as Cohort's) with random weights from the same config:
-    its state dict, less the ``model.`` prefix, is Cohort's, and the logits agree to float32 rounding."""
+def test_llama3_scaling_keeps_the_fast_frequencies_and_slows_the_slow_ones() -> None:
+    """Frequencies whose wavelength is under trained_context / high_freq_factor stay, those over trained_context /
+    low_freq_factor are divided by the factor, those between lie between."""
+    frequencies = 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float32) / 64)
+    scaled = llama3_scaled(frequencies, 8.0, 1.0, 4.0, 64)
+    wavelengths = 2 * math.pi / frequencies
+    fast, slow = wavelengths < 64 / 4, wavelengths > 64 / 1
+    assert fast.any() and slow.any() and (~fast & ~slow).any()
+    assert torch.equal(scaled[fast], frequencies[fast])
+    assert torch.allclose(scaled[slow], frequencies[slow] / 8)
+    between = ~fast & ~slow
+    assert ((scaled[between] < frequencies[between]) & (scaled[between] > frequencies[between] / 8)).all()
+
+
+LLAMA3_SCALING = (8.0, 1.0, 4.0, 8)  # a trained context of 8 positions, so that 16 positions reach the scaling
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["plain-rope", "llama3-rope"])
+def test_hugging_face_llama_computes_the_same_logits_from_the_same_tensors(
+        scaling: tuple[float, float, float, int] | None) -> None:
+    """Hugging Face's LlamaForCausalLM (rotate-half RoPE, as Cohort's; with and without Llama 3's scaling) with
+    random weights from the same config: its state dict, less the ``model.`` prefix, is Cohort's, and the logits
+    agree to float32 rounding."""
     transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[hf]'")
     torch.manual_seed(0)
+    config = replace(TINY, rope_scaling=scaling)
+    rope = {"rope_type": "default"} if scaling is None else dict(zip(
+        ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+        ("llama3", *scaling)))
     reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=TINY.vocab_size, hidden_size=TINY.n_embd, intermediate_size=TINY.intermediate_size,
         num_hidden_layers=TINY.n_layer, num_attention_heads=TINY.n_head, num_key_value_heads=TINY.n_kv_head,
         max_position_embeddings=TINY.block_size, rope_theta=TINY.rope_base, rms_norm_eps=TINY.norm_eps,
-        tie_word_embeddings=False, attn_implementation="eager")).eval()
-    ours = Llama(TINY).eval()
+        rope_scaling={**rope, "rope_theta": TINY.rope_base}, tie_word_embeddings=False,
+        attn_implementation="eager")).eval()
+    ours = Llama(config).eval()
     ours.load_state_dict({name.removeprefix("model."): tensor for name, tensor in reference.state_dict().items()
                           if not name.endswith("rotary_emb.inv_freq")})
     tokens = torch.randint(0, TINY.vocab_size, (2, TINY.block_size), generator=torch.Generator().manual_seed(1))

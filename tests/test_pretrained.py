@@ -86,8 +86,8 @@ def test_sharded_safetensors_with_an_index_load_too(tmp_path: Path) -> None:
     (lambda folder: (folder / "config.json").write_text(json.dumps({**DEBUG_CONFIG_JSON, "hidden_size": 64})),
      "is not a model 'debug': its config.json has n_embd 64 (model 'debug': 32)"),
     (lambda folder: (folder / "config.json").write_text(json.dumps(
-        {**DEBUG_CONFIG_JSON, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})),
-     "asks for what Cohort's Llama does not compute: rope type='llama3' (Cohort's Llama: 'default')"),
+        {**DEBUG_CONFIG_JSON, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})),
+     "asks for what Cohort's Llama does not compute: rope type='yarn' (Cohort's Llama: 'default or llama3')"),
     (lambda folder: save_file({"model.embed_tokens.weight": torch.zeros(256, 32)}, folder / "model.safetensors"),
      "does not hold the weights its config.json describes (missing: lm_head.weight, model.layers.0."),
     (lambda folder: save_file({**huggingface_names(Llama(DEBUG).state_dict()), "model.extra.weight": torch.zeros(1)},
