@@ -33,6 +33,9 @@ REFUSED = {
     ("quickstart.yaml", "multinode_gpu_bf16"): "data.global_batch_size=32 is not a multiple of data.micro_batch_size=16 x 16",
     ("quickstart.yaml", "pipeline_gpu_bf16"): "data.global_batch_size=32 is not a multiple of data.micro_batch_size=16 x 4",
     ("gpt-6.7b/pretrain.yaml", "fsdp_gpu_bf16"): "model.activation_checkpointing is for DDP and model_parallel",
+    ("llama-8b/continued_pretraining.yaml", "fsdp_gpu_bf16"): "model.activation_checkpointing is for DDP and model_parallel",
+    ("llama-8b/continued_pretraining.yaml", "pipeline_cpu"): "pipeline_microbatches=4 does not divide data.micro_batch_size=1",
+    ("llama-8b/continued_pretraining.yaml", "pipeline_gpu_bf16"): "pipeline_microbatches=4 does not divide data.micro_batch_size=1",
     ("bert-large/pretrain.yaml", "multinode_gpu_bf16"): "data.global_batch_size=64 is not a multiple of data.micro_batch_size=8 x 16",
     ("llama-small/pretrain.yaml", "model_parallel_gpu_bf16"): "data.global_batch_size=32 is not a multiple of data.micro_batch_size=16 x 8",
     ("llama-small/pretrain.yaml", "multinode_gpu_bf16"): "data.global_batch_size=32 is not a multiple of data.micro_batch_size=16 x 16",
@@ -46,6 +49,9 @@ REFUSED = {
     ("resnet-small/digits.yaml", "pipeline_gpu_bf16"): "data.global_batch_size=64 is not a multiple of data.micro_batch_size=32 x 4",
 }
 
+# recipes that start from a Hugging Face folder the user brings (model.init_from), which this machine has not got
+STARTS_FROM_A_FOLDER = {"llama-8b/continued_pretraining.yaml"}
+
 if not torch.cuda.is_available():  # "devices: -1" is then one process: no room for a server and a worker
     REFUSED.update({(str(recipe.relative_to(REPO_ROOT / "configs")), "async_ps_gpu_bf16"):
                     "needs a server and at least one worker" for recipe in RECIPES})
@@ -58,7 +64,10 @@ def test_recipe_and_preset_parse_and_pass_the_config_checks(recipe: Path, preset
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """--print_config runs the checks fit runs on the config alone (sizes, batch arithmetic, the model's fit)."""
     args = ["fit", "-c", str(recipe), "-c", str(preset), "--print_config"]
-    refusal = REFUSED.get((str(recipe.relative_to(REPO_ROOT / "configs")), preset.stem))
+    name = str(recipe.relative_to(REPO_ROOT / "configs"))
+    if name in STARTS_FROM_A_FOLDER:  # everything else the recipe sets; its folder's absence: the test below
+        args.insert(-1, "--model.init_from=null")
+    refusal = REFUSED.get((name, preset.stem))
     if refusal is not None:
         assert refusal in one_line_error(args, monkeypatch)
         return
@@ -67,6 +76,14 @@ def test_recipe_and_preset_parse_and_pass_the_config_checks(recipe: Path, preset
     assert exit_info.value.code in (0, None)
     printed = capsys.readouterr().out
     assert "class_path: models." in printed and "model_name:" in printed and "global_batch_size:" in printed
+
+
+def test_a_recipe_whose_pretrained_folder_is_not_there_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    recipe = REPO_ROOT / "configs/llama-8b/continued_pretraining.yaml"
+    args = ["fit", "-c", str(REPO_ROOT / "configs/trainer/model_parallel_gpu_bf16.yaml"), "-c", str(recipe),
+            "--print_config"]
+    assert ("model.init_from=models/Llama-3.1-8B is not a Hugging Face model folder (no config.json there)"
+            in one_line_error(args, monkeypatch))
 
 
 def test_print_config_accepts_what_fit_accepts_on_this_cpu(capsys: pytest.CaptureFixture[str],

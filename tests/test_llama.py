@@ -6,12 +6,14 @@ one process does."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from app.tools.doctor import main as doctor
 from models.llama import LLAMA_CONFIGS, Attention, Llama, LlamaConfig, llama3_scaled, rotary_tables, rotate
 from models.llama_language_model import LlamaLanguageModel
 from tests.helpers import (
@@ -143,3 +145,24 @@ def test_llama_trains_under_every_strategy_as_one_process_does(tmp_path: Path, b
     clipped gradient norm every step, and the same weights (within the Adam bound), as one process."""
     assert min(scalars(llama_straight, "train/grad_norm")) > 0.1  # above COMPARABLE_RUN's clip: clipping bites
     assert_comparable_runs_agree(llama_straight, fit(tmp_path / "other", [*llama_run(byte_corpus), *layout]))
+
+
+@pytest.mark.parametrize("preset, fits", [("model_parallel_gpu_bf16", True), ("ddp_gpu_bf16", False)],
+                         ids=["fsdp2-8-gpus", "ddp-8-gpus"])
+def test_the_doctor_answers_whether_the_8b_continued_pretraining_fits_80_gb_gpus(
+        preset: str, fits: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recipe's 8B sharded over 8 GPUs fits in 80 GB each (parameters, gradients and Adam state are an eighth of
+    about 120 GB); replicated by DDP it cannot (the whole 120 GB on every GPU). This machine has no GPU, no token
+    files and no Llama folder (left out), so the doctor fails those checks; the memory line is the point."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        doctor(["-c", str(CONFIG_DIR / f"trainer/{preset}.yaml"), "-c",
+                str(CONFIG_DIR / "llama-8b/continued_pretraining.yaml"), "--model.init_from", "null",
+                "--device_memory", "80GiB"])
+    line = next(line for line in capsys.readouterr().out.splitlines() if " memory " in line)
+    needed = float(re.search(r"needs ([0-9.]+) GiB", line).group(1))
+    if fits:
+        assert line.startswith("PASS") and 8_030_261_248 * 16 / 8 / 2**30 < needed < 80, line
+    else:
+        assert line.startswith("FAIL") and needed > 8_030_261_248 * 16 / 2**30, line
