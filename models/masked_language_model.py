@@ -10,6 +10,8 @@ batch), the same in every validation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -26,6 +28,7 @@ from models.module import CohortModule
 from models.optimizer import OptimizerSettings
 from models.parallelize import TensorParallelPlan, check_tensor_parallel_size
 from models.pipeline import PipelineSplit, check_stages_have_blocks
+from models.pretrained import HuggingFaceFolder, check_pretrained, weight_reader
 
 BYTE_VOCAB_SIZE = 256  # the embedded corpus, and any data prepared byte by byte
 # BERT's: 1e-4 at batch 256, warmed up over 10,000 steps, decayed to 0, weight decay 0.01, Adam's betas
@@ -48,6 +51,7 @@ class BertMaskedLanguageModel(CohortModule):
         self,
         model_name: str = "bert-small",
         vocab_size: int | None = None,
+        init_from: str | None = None,
         mask_token_id: int | None = None,
         cls_token_id: int | None = None,
         sep_token_id: int | None = None,
@@ -64,6 +68,9 @@ class BertMaskedLanguageModel(CohortModule):
             model_name: a size from models.bert.BERT_CONFIGS ("bert-tiny", "bert-small", "bert-base", "bert-large").
             vocab_size: the data's vocabulary; the CLI links it to data.vocab_size. Byte-level data (256) gets the four
                 special tokens after the bytes (core/tokens.py), a vocabulary of 260.
+            init_from: a local Hugging Face BertForMaskedLM folder (config.json, model.safetensors or its shards) of
+                this size whose weights the run starts from (models/pretrained.py); None: initial weights from the
+                seed.
             mask_token_id, cls_token_id, sep_token_id, pad_token_id: the special tokens' ids in a tokenizer's
                 vocabulary; leave them null for byte-level data.
             mask_probability: the share of (non-special) tokens chosen for prediction; BERT's is 0.15.
@@ -125,6 +132,16 @@ class BertMaskedLanguageModel(CohortModule):
         if data.sequence_length < 3:
             raise UserError(f"data.sequence_length={data.sequence_length}: a BERT sequence needs [CLS], at least one "
                             "token and [SEP]")
+        if model.init_from is not None:
+            _, vocab_size = special_tokens(data.vocab_size, model.mask_token_id, model.cls_token_id, model.sep_token_id,
+                                           model.pad_token_id, model.mask_probability)
+            check_pretrained(HuggingFaceFolder(model.init_from), bert_config(model.model_name, vocab_size=vocab_size),
+                             model.model_name)
+
+    def pretrained_weights(self) -> Callable[[str], torch.Tensor] | None:
+        if self.hparams.init_from is None:
+            return None
+        return weight_reader(HuggingFaceFolder(self.hparams.init_from), self.config)
 
     def describe(self) -> str:
         c = self.config

@@ -10,6 +10,8 @@ tensor parallelism or a pipeline.
     family   Hugging Face class      names
     Llama    LlamaForCausalLM        Cohort's = Hugging Face's without ``model.`` (models/llama.py)
     GPT      GPT2LMHeadModel         models/huggingface.py's table, Conv1D weights transposed, qkv head by head
+    BERT     BertForMaskedLM         BERT_NAMES below; a pretraining checkpoint's pooler and next-sentence head,
+                                     which Cohort's masked-LM BERT has not got, are left unread
 """
 
 from __future__ import annotations
@@ -24,13 +26,31 @@ import torch
 from safetensors import safe_open
 
 from core.errors import UserError
+from models.bert import BERT, BertConfig
 from models.gpt import GPT, GPTConfig
 from models.huggingface import PROJECTIONS, llama_huggingface_name, qkv_by_head
 from models.llama import Llama, LlamaConfig
 
 WEIGHTS_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
-# tensors a Hugging Face file may hold that are not weights: rotary tables and GPT-2's causal masks
-NOT_WEIGHTS = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
+# tensors a Hugging Face file may hold that are not weights (rotary tables, GPT-2's causal masks, BERT's position
+# ids) or not this model's (BERT's pooler and next-sentence head, from its pretraining)
+NOT_WEIGHTS = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias", "embeddings.position_ids")
+NOT_THIS_MODEL = ("bert.pooler.", "cls.seq_relationship.")
+# Cohort BERT module -> BertForMaskedLM module (models/bert.py); {i} is a block's index
+BERT_NAMES = {
+    "token_embedding": "bert.embeddings.word_embeddings", "position_embedding": "bert.embeddings.position_embeddings",
+    "token_type_embedding": "bert.embeddings.token_type_embeddings", "ln_embedding": "bert.embeddings.LayerNorm",
+    "blocks.{i}.attn.query": "bert.encoder.layer.{i}.attention.self.query",
+    "blocks.{i}.attn.key": "bert.encoder.layer.{i}.attention.self.key",
+    "blocks.{i}.attn.value": "bert.encoder.layer.{i}.attention.self.value",
+    "blocks.{i}.attn.proj": "bert.encoder.layer.{i}.attention.output.dense",
+    "blocks.{i}.ln_1": "bert.encoder.layer.{i}.attention.output.LayerNorm",
+    "blocks.{i}.mlp.fc": "bert.encoder.layer.{i}.intermediate.dense",
+    "blocks.{i}.mlp.proj": "bert.encoder.layer.{i}.output.dense",
+    "blocks.{i}.ln_2": "bert.encoder.layer.{i}.output.LayerNorm",
+    "head.dense": "cls.predictions.transform.dense", "head.ln": "cls.predictions.transform.LayerNorm",
+    "head.decoder": "cls.predictions.decoder",
+}
 # where a Cohort parameter is read from: the folder's tensor, and what turns it into Cohort's layout
 Source = tuple[str, Callable[[torch.Tensor], torch.Tensor]]
 
@@ -123,6 +143,22 @@ def gpt_config_from(folder: HuggingFaceFolder) -> GPTConfig:
                      block_size=config["n_positions"], vocab_size=config["vocab_size"])
 
 
+def bert_config_from(folder: HuggingFaceFolder) -> BertConfig:
+    """The BertConfig that a BERT ``config.json`` describes; a UserError for what models/bert.py does not compute."""
+    config = folder.config
+    check_computable(folder, "bert", "BERT", {
+        "hidden_act": (config.get("hidden_act", "gelu"), "gelu"),
+        "position_embedding_type": (config.get("position_embedding_type", "absolute"), "absolute"),
+        "is_decoder": (config.get("is_decoder", False), False),
+        "tie_word_embeddings": (config.get("tie_word_embeddings", True), True),
+    })
+    return BertConfig(n_layer=config["num_hidden_layers"], n_head=config["num_attention_heads"],
+                      n_embd=config["hidden_size"], intermediate_size=config["intermediate_size"],
+                      max_position_embeddings=config["max_position_embeddings"], vocab_size=config["vocab_size"],
+                      type_vocab_size=config.get("type_vocab_size", 2),
+                      layer_norm_eps=config.get("layer_norm_eps", 1e-12))
+
+
 def check_config_is(named: Any, imported: Any, model_name: str, folder: HuggingFaceFolder) -> None:
     """A UserError naming every field where the folder's model is not the named size."""
     differing = [f"{field.name} {getattr(imported, field.name)} (model '{model_name}': {getattr(named, field.name)})"
@@ -153,18 +189,36 @@ def gpt2_source(name: str, config: GPTConfig, prefix: str) -> Source:
     return source, to_cohort
 
 
-def sources(folder: HuggingFaceFolder, config: LlamaConfig | GPTConfig) -> Callable[[str], Source]:
+def bert_source(name: str, files: dict[str, Path]) -> Source:
+    """The BertForMaskedLM tensor a Cohort BERT parameter is read from: by BERT_NAMES, the decoder's bias as
+    ``cls.predictions.bias``, and a LayerNorm's gamma and beta where older files name its weight and bias so."""
+    module, kind = name.rsplit(".", 1)
+    index = module.split(".")[1] if module.startswith("blocks.") else ""
+    source = f"{BERT_NAMES[module.replace(f'blocks.{index}.', 'blocks.{i}.', 1)].format(i=index)}.{kind}"
+    if name == "head.decoder.bias":
+        source = "cls.predictions.bias"
+    older = source.removesuffix(kind) + {"weight": "gamma", "bias": "beta"}[kind]
+    if "LayerNorm" in source and source not in files and older in files:
+        source = older
+    return source, lambda tensor: tensor
+
+
+def sources(folder: HuggingFaceFolder, config: LlamaConfig | GPTConfig | BertConfig) -> Callable[[str], Source]:
     """Cohort parameter name -> the folder's tensor it is read from, and what turns that into Cohort's layout."""
+    if isinstance(config, BertConfig):
+        return lambda name: bert_source(name, folder.files)
     if isinstance(config, LlamaConfig):
         return lambda name: (llama_huggingface_name(name, config), lambda tensor: tensor)
     prefix = "transformer." if "transformer.wte.weight" in folder.files else ""
     return lambda name: gpt2_source(name, config, prefix)
 
 
-def check_pretrained(folder: HuggingFaceFolder, config: LlamaConfig | GPTConfig, model_name: str) -> None:
+def check_pretrained(folder: HuggingFaceFolder, config: LlamaConfig | GPTConfig | BertConfig, model_name: str) -> None:
     """A UserError unless the folder holds exactly the network of ``config`` (the named size): its config.json,
     then its tensors' names and shapes (read from the files' headers: no tensor is loaded)."""
-    if isinstance(config, LlamaConfig):
+    if isinstance(config, BertConfig):
+        imported, network_class = bert_config_from(folder), BERT
+    elif isinstance(config, LlamaConfig):
         imported, network_class = llama_config_from(folder), Llama
     else:
         imported, network_class = gpt_config_from(folder), GPT
@@ -182,7 +236,8 @@ def check_pretrained(folder: HuggingFaceFolder, config: LlamaConfig | GPTConfig,
             if shape != expected[name]:
                 reshaped.append(f"{source} {folder.shape(source)} (Cohort's {name}: {expected[name]})")
     used = {source for source, _ in read.values()}
-    unused = sorted(name for name in folder.files if name not in used and not name.endswith(NOT_WEIGHTS))
+    unused = sorted(name for name in folder.files if name not in used and not name.endswith(NOT_WEIGHTS)
+                    and not name.startswith(NOT_THIS_MODEL))
     problems = [f"{kind}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}" for kind, names in
                 (("missing", missing), ("other shapes", reshaped), ("not used", unused)) if names]
     if problems:
@@ -190,7 +245,8 @@ def check_pretrained(folder: HuggingFaceFolder, config: LlamaConfig | GPTConfig,
                         f"({'; '.join(problems)}): give a folder that save_pretrained wrote")
 
 
-def weight_reader(folder: HuggingFaceFolder, config: LlamaConfig | GPTConfig) -> Callable[[str], torch.Tensor]:
+def weight_reader(folder: HuggingFaceFolder,
+                  config: LlamaConfig | GPTConfig | BertConfig) -> Callable[[str], torch.Tensor]:
     """Cohort parameter name -> its full tensor from the folder, in Cohort's layout."""
     source_of = sources(folder, config)
 

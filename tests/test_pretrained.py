@@ -1,7 +1,8 @@
 """Starting from pretrained weights (models/pretrained.py): a Hugging Face folder's tensors load into Cohort's
 networks exactly, into every rank's slice under FSDP2, tensor parallelism and the pipeline; a folder that is not
 the named size's, or not safetensors, is refused in one line before anything is built. Where transformers is
-installed, folders that LlamaForCausalLM and GPT2LMHeadModel save give Cohort the logits transformers computes."""
+installed, folders that LlamaForCausalLM, GPT2LMHeadModel and BertForMaskedLM save give Cohort the logits
+transformers computes, and a Llama imported, trained and exported loads back in transformers."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from safetensors.torch import save_file
 
 from app.__main__ import main
 from core.errors import UserError
+from models.bert import BERT, BERT_CONFIGS
 from models.gpt import GPT_CONFIGS
 from models.language_model import GPTLanguageModel
 from models.llama import LLAMA_CONFIGS, Llama
 from models.llama_language_model import LlamaLanguageModel
-from models.pretrained import HuggingFaceFolder, check_pretrained
+from models.masked_language_model import BertMaskedLanguageModel
+from models.pretrained import HuggingFaceFolder, bert_source, check_pretrained
 from tests.helpers import (
     CONFIG_DIR, MODEL_PARALLEL, batch_sizes, fit, last_checkpoint, last_checkpoint_contents, one_line_error, validate,
 )
@@ -75,6 +78,30 @@ def test_sharded_safetensors_with_an_index_load_too(tmp_path: Path) -> None:
     tokens = torch.randint(0, DEBUG.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(LlamaLanguageModel("debug", init_from=str(folder)).build()(tokens), source(tokens))
+
+
+def test_a_bert_pretraining_checkpoint_loads_without_its_pooler_and_next_sentence_head(tmp_path: Path) -> None:
+    """A BERT checkpoint as Google's release converted it: LayerNorm weights named gamma and beta, the decoder's
+    bias as cls.predictions.bias, the tied decoder weight stored once, and the pooler and next-sentence head beside
+    (which Cohort's masked-LM BERT leaves unread): it loads, and computes what the network that wrote it computes."""
+    config = BERT_CONFIGS["bert-tiny"]
+    torch.manual_seed(3)
+    source = BERT(config).eval()
+    tensors = {bert_source(name, {})[0]: tensor.contiguous() for name, tensor in source.named_parameters()}
+    tensors = {name.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): tensor
+               for name, tensor in tensors.items()}
+    tensors |= {"bert.pooler.dense.weight": torch.zeros(32, 32), "cls.seq_relationship.weight": torch.zeros(2, 32)}
+    (tmp_path / "bert").mkdir()
+    save_file(tensors, tmp_path / "bert" / "model.safetensors")
+    (tmp_path / "bert" / "config.json").write_text(json.dumps({
+        "model_type": "bert", "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
+        "hidden_size": config.n_embd, "intermediate_size": config.intermediate_size,
+        "max_position_embeddings": config.max_position_embeddings, "vocab_size": config.vocab_size}))
+    family = BertMaskedLanguageModel("bert-tiny", vocab_size=256, init_from=str(tmp_path / "bert"))
+    check_pretrained(HuggingFaceFolder(tmp_path / "bert"), family.config, "bert-tiny")
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(family.build().eval()(tokens), source(tokens))
 
 
 @pytest.mark.parametrize("change, expected", [
@@ -134,9 +161,9 @@ def test_every_rank_loads_its_slice_under_fsdp2_tensor_parallelism_and_the_pipel
 
 
 def test_hugging_face_folders_give_the_logits_transformers_computes(tmp_path: Path) -> None:
-    """LlamaForCausalLM and GPT2LMHeadModel of the debug sizes, random weights, saved with save_pretrained (no
-    download): the families built from the folders compute transformers' logits within float32 rounding (1e-5;
-    GPT-2's qkv rows are reordered head by head and its Conv1D weights transposed on the way in)."""
+    """LlamaForCausalLM, GPT2LMHeadModel and BertForMaskedLM of the test sizes, random weights, saved with
+    save_pretrained (no download): the families built from the folders compute transformers' logits within float32
+    rounding (1e-5; GPT-2's qkv rows are reordered head by head and its Conv1D weights transposed on the way in)."""
     transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[hf]'")
     torch.manual_seed(0)
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
@@ -145,10 +172,18 @@ def test_hugging_face_folders_give_the_logits_transformers_computes(tmp_path: Pa
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=gpt.n_layer, n_head=gpt.n_head, n_embd=gpt.n_embd, n_positions=gpt.block_size,
         vocab_size=gpt.vocab_size))
+    bert_tiny = BERT_CONFIGS["bert-tiny"]
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        num_hidden_layers=bert_tiny.n_layer, num_attention_heads=bert_tiny.n_head, hidden_size=bert_tiny.n_embd,
+        intermediate_size=bert_tiny.intermediate_size, max_position_embeddings=bert_tiny.max_position_embeddings,
+        vocab_size=bert_tiny.vocab_size))
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
-    for name, reference, family in (("llama", llama, LlamaLanguageModel), ("gpt2", gpt2, GPTLanguageModel)):
+    for name, reference, family in (
+            ("llama", llama, lambda folder: LlamaLanguageModel("debug", init_from=folder)),
+            ("gpt2", gpt2, lambda folder: GPTLanguageModel("debug", init_from=folder)),
+            ("bert", bert, lambda folder: BertMaskedLanguageModel("bert-tiny", vocab_size=256, init_from=folder))):
         reference.eval().save_pretrained(tmp_path / name)
-        network = family("debug", init_from=str(tmp_path / name)).build().eval()
+        network = family(str(tmp_path / name)).build().eval()
         with torch.no_grad():
             difference = (network(tokens) - reference(input_ids=tokens).logits).abs().max()
         assert difference < 1e-5, (name, difference)
