@@ -23,7 +23,8 @@ from models.llama_language_model import LlamaLanguageModel
 from models.masked_language_model import BertMaskedLanguageModel
 from models.pretrained import HuggingFaceFolder, bert_source, check_pretrained
 from tests.helpers import (
-    CONFIG_DIR, MODEL_PARALLEL, batch_sizes, fit, last_checkpoint, last_checkpoint_contents, one_line_error, validate,
+    COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_comparable_runs_agree, batch_sizes, fit, last_checkpoint,
+    last_checkpoint_contents, one_line_error, scalars,
 )
 
 DEBUG = LLAMA_CONFIGS["debug"]
@@ -139,25 +140,34 @@ def test_the_command_refuses_a_folder_of_another_size_before_it_starts(tmp_path:
     assert "is not a model 'small': its config.json has n_layer 2 (model 'small': 4)" in one_line_error(args, monkeypatch)
 
 
-@pytest.mark.slow
-def test_every_rank_loads_its_slice_under_fsdp2_tensor_parallelism_and_the_pipeline(tmp_path: Path,
-                                                                                   byte_corpus: Path) -> None:
-    """``cohort validate`` of the folder gives one process's validation loss under every layout (each rank read its
-    own slice of each tensor, or its stage's tensors only), and not the loss of the seed's initial weights."""
-    write_llama_folder(tmp_path / "llama")
+@pytest.fixture(scope="module")
+def imported_runs(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) -> dict[str, Path]:
+    """COMPARABLE_RUN's 4 clipped steps of the debug Llama from the same imported folder on one process and under
+    DDP, FSDP2, tensor parallelism and the pipeline, and from the seed's weights on one process."""
+    folder = tmp_path_factory.mktemp("imported") / "llama"
+    write_llama_folder(folder)
     run = ["-c", str(CONFIG_DIR / "llama-small/pretrain.yaml"), "--model.model_name", "debug",
-           "--data.data_dir", str(byte_corpus), "--data.sequence_length", "64", "--data.val_samples", "16",
-           "--trainer.limit_val_batches", "1.0", "--data.global_batch_size", "8", "--data.micro_batch_size", "4"]
-    pretrained = [*run, "--model.init_from", str(tmp_path / "llama")]
-    layouts = {"one process": [], "fsdp2": MODEL_PARALLEL,
+           "--data.data_dir", str(byte_corpus), "--data.sequence_length", "64", "--trainer.log_every_n_steps", "1",
+           "--model.optimizer.warmup_steps", "2", "--model.max_new_tokens", "0", *COMPARABLE_RUN]
+    layouts = {"one process": [], "ddp": DDP_2, "fsdp2": MODEL_PARALLEL,
                "tensor-parallel": [*MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
                                    "--trainer.strategy.init_args.tensor_parallel_size", "2"],
                "pipeline": ["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")]}
-    for name in [*layouts, "seed"]:
-        (tmp_path / name).mkdir()
-    losses = {name: validate(tmp_path / name, [*pretrained, *layout]) for name, layout in layouts.items()}
-    assert losses == pytest.approx({name: losses["one process"] for name in layouts}, rel=1e-5), losses
-    assert validate(tmp_path / "seed", run) != pytest.approx(losses["one process"], rel=1e-3)
+    runs = {name: fit(tmp_path_factory.mktemp(name.replace(" ", "-")), [*run, "--model.init_from", str(folder),
+                                                                         *layout]) for name, layout in layouts.items()}
+    return runs | {"seed": fit(tmp_path_factory.mktemp("seed"), run)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2", "tensor-parallel", "pipeline"])
+def test_an_imported_llama_trains_under_every_layout_as_one_process_does(imported_runs: dict[str, Path],
+                                                                         layout: str) -> None:
+    """Every rank read its own slice of each tensor (or its stage's tensors only): the same validation loss and
+    clipped gradient norm at every step, and the same weights, as one process that imported the folder; and not
+    the run that started from the seed."""
+    assert_comparable_runs_agree(imported_runs["one process"], imported_runs[layout])
+    assert scalars(imported_runs["seed"], "val/loss")[0] != pytest.approx(
+        scalars(imported_runs["one process"], "val/loss")[0], rel=1e-3)
 
 
 def test_hugging_face_folders_give_the_logits_transformers_computes(tmp_path: Path) -> None:
