@@ -137,12 +137,20 @@ def llama_straight(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) 
     [*MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
      "--trainer.strategy.init_args.tensor_parallel_size", "2"],
     ["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")],
-], ids=["ddp", "fsdp2", "tensor-parallel", "pipeline"])
+    [*MODEL_PARALLEL, "--model.activation_checkpointing", "true"],
+    [*DDP_2, "--local_updates.method", "local_sgd", "--local_updates.sync_every", "1"],
+    ["-c", str(CONFIG_DIR / "trainer/async_ps_cpu.yaml"), "--trainer.devices", "2",
+     "--trainer.strategy.init_args.max_staleness", "0", "--trainer.strategy.init_args.staleness_policy", "drop"],
+], ids=["ddp", "fsdp2", "tensor-parallel", "pipeline", "fsdp2-checkpointed", "local-sgd-every-step",
+        "asynchronous-one-worker"])
 def test_llama_trains_under_every_strategy_as_one_process_does(tmp_path: Path, byte_corpus: Path,
                                                                llama_straight: Path, layout: list[str]) -> None:
-    """Replicated, sharded per block, split by its plan (query, key/value and gate/up projections by columns: each
-    rank keeps 2 query heads and their key/value head), or cut into 2 pipeline stages: the same validation loss and
-    clipped gradient norm every step, and the same weights (within the Adam bound), as one process."""
+    """Replicated, sharded per block (also with each block's activations recomputed in backward), split by its
+    plan (query, key/value and gate/up projections by columns: each rank keeps 2 query heads and their key/value
+    head), cut into 2 pipeline stages, averaged by local SGD after every step, or served by the parameter server to
+    one worker that may not run ahead: the same validation loss and clipped gradient norm every step, and the same
+    weights (within the Adam bound), as one process. (Gradient compression changes the numbers by design:
+    tests/test_compression.py measures what it costs.)"""
     assert min(scalars(llama_straight, "train/grad_norm")) > 0.1  # above COMPARABLE_RUN's clip: clipping bites
     assert_comparable_runs_agree(llama_straight, fit(tmp_path / "other", [*llama_run(byte_corpus), *layout]))
 
