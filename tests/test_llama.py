@@ -1,7 +1,7 @@
 """The Llama family (models/llama.py, models/llama_language_model.py): its parts do what the architecture says, its
 named sizes are the published ones, it computes what Hugging Face's LlamaForCausalLM computes from the same
-tensors (where transformers is installed), and it trains under DDP, FSDP2, tensor parallelism and the pipeline as
-one process does."""
+tensors (where transformers is installed), and the doctor sizes its 8B recipe. It trains under every layout as one
+process does in tests/test_pretrained.py, from an imported folder."""
 
 from __future__ import annotations
 
@@ -16,11 +16,8 @@ import torch
 from app.tools.doctor import main as doctor
 from models.llama import LLAMA_CONFIGS, Attention, Llama, LlamaConfig, llama3_scaled, rotary_tables, rotate
 from models.llama_language_model import LlamaLanguageModel
-from tests.helpers import (
-    COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_comparable_runs_agree, fit, scalars,
-)
+from tests.helpers import CONFIG_DIR
 
-LLAMA = ["-c", str(CONFIG_DIR / "llama-small/pretrain.yaml")]
 TINY = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, block_size=16, vocab_size=64)
 
 
@@ -116,43 +113,6 @@ def test_hugging_face_llama_computes_the_same_logits_from_the_same_tensors(
     with torch.no_grad():
         expected, logits = reference(input_ids=tokens).logits, ours(tokens)
     assert (logits - expected).abs().max() < 1e-5, (logits - expected).abs().max()
-
-
-def llama_run(byte_corpus: Path) -> list[str]:
-    """The Llama recipe made small: the debug size, COMPARABLE_RUN's 4 clipped steps validated after each."""
-    return [*LLAMA, "--model.model_name", "debug", "--data.data_dir", str(byte_corpus), "--data.sequence_length", "64",
-            "--trainer.log_every_n_steps", "1", "--model.optimizer.warmup_steps", "2", "--model.max_new_tokens", "0",
-            *COMPARABLE_RUN]
-
-
-@pytest.fixture(scope="module")
-def llama_straight(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) -> Path:
-    return fit(tmp_path_factory.mktemp("llama-straight"), llama_run(byte_corpus))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", [
-    DDP_2,
-    MODEL_PARALLEL,
-    [*MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
-     "--trainer.strategy.init_args.tensor_parallel_size", "2"],
-    ["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")],
-    [*MODEL_PARALLEL, "--model.activation_checkpointing", "true"],
-    [*DDP_2, "--local_updates.method", "local_sgd", "--local_updates.sync_every", "1"],
-    ["-c", str(CONFIG_DIR / "trainer/async_ps_cpu.yaml"), "--trainer.devices", "2",
-     "--trainer.strategy.init_args.max_staleness", "0", "--trainer.strategy.init_args.staleness_policy", "drop"],
-], ids=["ddp", "fsdp2", "tensor-parallel", "pipeline", "fsdp2-checkpointed", "local-sgd-every-step",
-        "asynchronous-one-worker"])
-def test_llama_trains_under_every_strategy_as_one_process_does(tmp_path: Path, byte_corpus: Path,
-                                                               llama_straight: Path, layout: list[str]) -> None:
-    """Replicated, sharded per block (also with each block's activations recomputed in backward), split by its
-    plan (query, key/value and gate/up projections by columns: each rank keeps 2 query heads and their key/value
-    head), cut into 2 pipeline stages, averaged by local SGD after every step, or served by the parameter server to
-    one worker that may not run ahead: the same validation loss and clipped gradient norm every step, and the same
-    weights (within the Adam bound), as one process. (Gradient compression changes the numbers by design:
-    tests/test_compression.py measures what it costs.)"""
-    assert min(scalars(llama_straight, "train/grad_norm")) > 0.1  # above COMPARABLE_RUN's clip: clipping bites
-    assert_comparable_runs_agree(llama_straight, fit(tmp_path / "other", [*llama_run(byte_corpus), *layout]))
 
 
 @pytest.mark.parametrize("preset, fits", [("model_parallel_gpu_bf16", True), ("ddp_gpu_bf16", False)],

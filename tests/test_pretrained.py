@@ -140,31 +140,45 @@ def test_the_command_refuses_a_folder_of_another_size_before_it_starts(tmp_path:
     assert "is not a model 'small': its config.json has n_layer 2 (model 'small': 4)" in one_line_error(args, monkeypatch)
 
 
+IMPORTED_LAYOUTS = {
+    "ddp": DDP_2,
+    "fsdp2": MODEL_PARALLEL,
+    "tensor-parallel": [*MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
+                        "--trainer.strategy.init_args.tensor_parallel_size", "2"],
+    "pipeline": ["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")],
+    "fsdp2-checkpointed": [*MODEL_PARALLEL, "--model.activation_checkpointing", "true"],
+    "local-sgd-every-step": [*DDP_2, "--local_updates.method", "local_sgd", "--local_updates.sync_every", "1"],
+    "asynchronous-one-worker": ["-c", str(CONFIG_DIR / "trainer/async_ps_cpu.yaml"), "--trainer.devices", "2",
+                                "--trainer.strategy.init_args.max_staleness", "0",
+                                "--trainer.strategy.init_args.staleness_policy", "drop"],
+}
+
+
 @pytest.fixture(scope="module")
 def imported_runs(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) -> dict[str, Path]:
     """COMPARABLE_RUN's 4 clipped steps of the debug Llama from the same imported folder on one process and under
-    DDP, FSDP2, tensor parallelism and the pipeline, and from the seed's weights on one process."""
+    each of IMPORTED_LAYOUTS, and from the seed's weights on one process."""
     folder = tmp_path_factory.mktemp("imported") / "llama"
     write_llama_folder(folder)
     run = ["-c", str(CONFIG_DIR / "llama-small/pretrain.yaml"), "--model.model_name", "debug",
            "--data.data_dir", str(byte_corpus), "--data.sequence_length", "64", "--trainer.log_every_n_steps", "1",
            "--model.optimizer.warmup_steps", "2", "--model.max_new_tokens", "0", *COMPARABLE_RUN]
-    layouts = {"one process": [], "ddp": DDP_2, "fsdp2": MODEL_PARALLEL,
-               "tensor-parallel": [*MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
-                                   "--trainer.strategy.init_args.tensor_parallel_size", "2"],
-               "pipeline": ["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")]}
-    runs = {name: fit(tmp_path_factory.mktemp(name.replace(" ", "-")), [*run, "--model.init_from", str(folder),
-                                                                         *layout]) for name, layout in layouts.items()}
-    return runs | {"seed": fit(tmp_path_factory.mktemp("seed"), run)}
+    runs = {"one process": [], **IMPORTED_LAYOUTS}
+    return {name: fit(tmp_path_factory.mktemp(name.replace(" ", "-")), [*run, "--model.init_from", str(folder), *layout])
+            for name, layout in runs.items()} | {"seed": fit(tmp_path_factory.mktemp("seed"), run)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ddp", "fsdp2", "tensor-parallel", "pipeline"])
+@pytest.mark.parametrize("layout", IMPORTED_LAYOUTS)
 def test_an_imported_llama_trains_under_every_layout_as_one_process_does(imported_runs: dict[str, Path],
                                                                          layout: str) -> None:
-    """Every rank read its own slice of each tensor (or its stage's tensors only): the same validation loss and
-    clipped gradient norm at every step, and the same weights, as one process that imported the folder; and not
-    the run that started from the seed."""
+    """The Llama family replicated, sharded per block (also with its activations recomputed in backward), split by
+    its tensor-parallel plan (query, key/value and gate/up projections by columns: each rank keeps 2 query heads and
+    their key/value head), cut into 2 pipeline stages, averaged by local SGD after every step, or served by the
+    parameter server to one worker that may not run ahead, every rank having read its own slice of each tensor (or
+    its stage's tensors only): the same validation loss and clipped gradient norm at every step, and the same
+    weights (within the Adam bound), as one process that imported the folder; and not the run from the seed.
+    (Gradient compression changes the numbers by design: tests/test_compression.py measures what it costs.)"""
     assert_comparable_runs_agree(imported_runs["one process"], imported_runs[layout])
     assert scalars(imported_runs["seed"], "val/loss")[0] != pytest.approx(
         scalars(imported_runs["one process"], "val/loss")[0], rel=1e-3)
