@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from datamodules.prepare import prepare_corpus, stdlib_source_files
-from tests.helpers import COMPARABLE_RUN, fit
+from tests.helpers import COMPARABLE_RUN, fit, last_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +41,12 @@ def comparable_run_args(debug_run_args: list[str]) -> list[str]:
 def one_process_comparable_run(tmp_path_factory: pytest.TempPathFactory, comparable_run_args: list[str]) -> Path:
     """The one-process run of comparable_run_args that the sharded and pipelined runs are compared with."""
     return fit(tmp_path_factory.mktemp("one_process"), comparable_run_args)
+
+
+@pytest.fixture(scope="session")
+def one_process_comparable_run_resumed(tmp_path_factory: pytest.TempPathFactory, comparable_run_args: list[str],
+                                       one_process_comparable_run: Path) -> Path:
+    """A new one-process run from one_process_comparable_run's last checkpoint (step 4) to step 6: what a run
+    resumed from a checkpoint of step 4 in another layout is compared with."""
+    return fit(tmp_path_factory.mktemp("one_process_resumed"), comparable_run_args, "--trainer.max_steps", "6",
+               "--ckpt_path", str(last_checkpoint(one_process_comparable_run)))
