@@ -89,18 +89,25 @@ UNAUGMENTED_DIGITS = [*digits_run(6), "--data.crop_padding", "0", "--data.rotati
 BATCH_NORM_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 
 
+@pytest.fixture(scope="module")
+def unaugmented_digits_one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """UNAUGMENTED_DIGITS on one process: the layouts below are compared with it."""
+    return fit(tmp_path_factory.mktemp("digits-one"), UNAUGMENTED_DIGITS)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     DDP_2, MODEL_PARALLEL,
     ["-c", str(CONFIG_DIR / "trainer/async_ps_cpu.yaml"), "--trainer.devices", "2",
      "--trainer.strategy.init_args.max_staleness", "0", "--trainer.strategy.init_args.staleness_policy", "drop"],
 ], ids=["ddp", "fsdp2", "asynchronous-one-worker"])
-def test_the_classifier_trains_as_one_process_does(tmp_path: Path, layout: list[str]) -> None:
+def test_the_classifier_trains_as_one_process_does(tmp_path: Path, unaugmented_digits_one_process: Path,
+                                                   layout: list[str]) -> None:
     """Without augmentation every layout reads the same images in the same micro-batches of 32, so BatchNorm
     normalises the same groups: the same clipped gradient norm at every step and the same weights as one process.
     Not the BatchNorms' running statistics, which only validation reads: DDP keeps rank 0's (its broadcast_buffers),
     FSDP2 each rank its own, so they are left out, and so is the validation loss."""
-    one = fit(tmp_path / "one", UNAUGMENTED_DIGITS)
+    one = unaugmented_digits_one_process
     other = fit(tmp_path / "other", [*UNAUGMENTED_DIGITS, *layout])
     norms = scalars(one, "train/grad_norm")
     assert len(norms) == 6 and min(norms) > 0.1  # clipping bites at every step
