@@ -123,12 +123,11 @@ def test_two_hosts_with_their_own_addresses_train_together(tmp_path: Path, debug
 def test_a_killed_rank_stops_the_job_with_a_clear_message(tmp_path: Path, debug_run_args: list[str]) -> None:
     args = ["fit", *debug_run_args, *QUIET, *DDP_2, "--trainer.max_steps", "50", *batch_sizes(4, 2),
             "--trainer.callbacks+=tests.helpers.KillRank", "--trainer.callbacks.rank=1", "--trainer.callbacks.step=3"]
-    start = time.monotonic()
     job = launch(args, tmp_path, NPROC_PER_NODE="2", MASTER_PORT=str(free_port()), MAX_RESTARTS="0")
+    # unnoticed, the dead rank would leave rank 0 in its all-reduce for the collective timeout (30 min): a hang
+    # that outputs_of's timeout fails the test on
     output = outputs_of([job], timeout=180)[0]
-    elapsed = time.monotonic() - start
     assert job.returncode != 0
-    assert elapsed < 120, f"took {elapsed:.0f} s to notice a dead rank"
     assert "Signal 9 (SIGKILL)" in output and "rank      : 1" in output, output[-3000:]
 
 
