@@ -19,7 +19,7 @@ from models.masked_language_model import BertMaskedLanguageModel
 from tests.helpers import (
     COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, adam_weight_drift, assert_comparable_runs_agree,
     assert_weights_agree, assert_weights_equal, fit, fit_killed_mid_accumulation, last_checkpoint,
-    last_checkpoint_contents, last_checkpoint_weights, one_line_error, scalars,
+    last_checkpoint_contents, last_checkpoint_weights, one_line_error, process_state_kept, scalars,
 )
 
 BERT = ["-c", str(CONFIG_DIR / "bert-small/pretrain.yaml")]
@@ -214,7 +214,7 @@ def test_the_doctor_answers_whether_bert_large_fits_a_16_gb_gpu(layout: list[str
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """The lesson's example: batch 64 of BERT-large on one 16 GB GPU does not fit; 8 per GPU on 8 GPUs does. (This
     machine has no GPU and no token files, so the doctor also fails those checks; the memory line is the point.)"""
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit), process_state_kept():  # doctor sets MASTER_ADDR/PORT, which runs after inherit
         doctor(["-c", str(CONFIG_DIR / "bert-large/pretrain.yaml"), *layout, "--device_memory", "16GiB"])
     line = next(line for line in capsys.readouterr().out.splitlines() if " memory " in line)
     needed = float(re.search(r"needs ([0-9.]+) GiB", line).group(1))
@@ -245,6 +245,6 @@ def test_a_device_memory_that_is_not_a_size_is_a_failed_check(debug_run_args: li
                                                               capsys: pytest.CaptureFixture[str],
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit), process_state_kept():
         doctor([*debug_run_args, "--device_memory", "sixteen"])
     assert "FAIL  memory           --device_memory: device memory 'sixteen' is not a size" in capsys.readouterr().out
