@@ -154,16 +154,29 @@ def fit(run_dir: Path, args: list[str], *extra: str) -> Path:
     return run_dir
 
 
-def cached_fits(tmp_path_factory: pytest.TempPathFactory,
-                args_of: Callable[[str, str], list[str]]) -> Callable[[str, str], Path]:
+def fit_in_process(run_dir: Path, args: list[str], *extra: str) -> Path:
+    """``fit`` for a run of one process, in this process: the same command, without a new interpreter's and torch's
+    start-up (most of a short run's time). Only where the run itself is what is compared or checked, not its
+    process (signals, exit codes); several processes would start a process group here."""
+    run_dir.mkdir(exist_ok=True)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.chdir(run_dir)
+        run_in_process(["fit", *args, *QUIET, *extra], monkeypatch)
+    return run_dir
+
+
+def cached_fits(tmp_path_factory: pytest.TempPathFactory, args_of: Callable[[str, str], list[str]],
+                in_process: Callable[[str, str], bool] = lambda precision, layout: False) -> Callable[[str, str], Path]:
     """(precision, layout) -> the folder of a finished ``cohort fit`` with ``args_of(precision, layout)``, run the
-    first time it is asked for, so that the tests of a module share their runs."""
+    first time it is asked for (in this process where ``in_process`` says so), so that the tests of a module share
+    their runs."""
     runs: dict[tuple[str, str], Path] = {}
 
     def get(precision: str, layout: str) -> Path:
         if (precision, layout) not in runs:
             run_dir = tmp_path_factory.mktemp(f"{precision}-{layout}".replace(" ", "_"))
-            runs[precision, layout] = fit(run_dir, args_of(precision, layout))
+            runner = fit_in_process if in_process(precision, layout) else fit
+            runs[precision, layout] = runner(run_dir, args_of(precision, layout))
         return runs[precision, layout]
 
     return get

@@ -18,7 +18,7 @@ from core.tokens import IGNORE_INDEX
 from models.masked_language_model import BertMaskedLanguageModel
 from tests.helpers import (
     COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, adam_weight_drift, assert_comparable_runs_agree,
-    assert_weights_agree, assert_weights_equal, fit, fit_killed_mid_accumulation, last_checkpoint,
+    assert_weights_agree, assert_weights_equal, fit, fit_in_process, fit_killed_mid_accumulation, last_checkpoint,
     last_checkpoint_contents, last_checkpoint_weights, one_line_error, process_state_kept, scalars,
 )
 
@@ -79,7 +79,7 @@ def test_bert_trains_under_every_strategy_as_one_process_does(tmp_path: Path, by
 def digits_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The digits recipe shortened to DIGITS_STEPS on 1 process and on 2, and a short run."""
     root = tmp_path_factory.mktemp("digits")
-    return {"one": fit(root / "one", digits_run(DIGITS_STEPS)),
+    return {"one": fit_in_process(root / "one", digits_run(DIGITS_STEPS)),
             "two": fit(root / "two", [*digits_run(DIGITS_STEPS), *DDP_2]), "short": fit(root / "short", digits_run(8))}
 
 
@@ -92,7 +92,7 @@ BATCH_NORM_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 @pytest.fixture(scope="module")
 def unaugmented_digits_one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """UNAUGMENTED_DIGITS on one process: the layouts below are compared with it."""
-    return fit(tmp_path_factory.mktemp("digits-one"), UNAUGMENTED_DIGITS)
+    return fit_in_process(tmp_path_factory.mktemp("digits-one"), UNAUGMENTED_DIGITS)
 
 
 @pytest.mark.slow

@@ -19,8 +19,8 @@ from models.language_model import build_gpt
 from models.pipeline import split_layers
 from tests.helpers import (
     CLIP, CONFIG_DIR, MODEL_PARALLEL, QUIET, assert_one_line_error,
-    assert_sharded_resume_after_sigkill_is_bitwise_exact, assert_weights_agree, fit, last_checkpoint, one_line_error,
-    run_cohort, scalars, validate,
+    assert_sharded_resume_after_sigkill_is_bitwise_exact, assert_weights_agree, fit, fit_in_process, last_checkpoint,
+    one_line_error, run_cohort, scalars, validate,
 )
 
 pytestmark = pytest.mark.slow
@@ -97,7 +97,7 @@ def test_the_monitor_measures_each_ranks_bubble_beside_the_theory(pipelined_runs
 
 def test_interleaved_pipeline_trains_as_one_process_does(tmp_path: Path, comparable_run_args: list[str]) -> None:
     """Interleaved 1F1B: the small model's 4 blocks as 4 stages, 2 on each rank (0 and 2, 1 and 3)."""
-    one_process = fit(tmp_path / "one_process", comparable_run_args, *SMALL)
+    one_process = fit_in_process(tmp_path / "one_process", comparable_run_args, *SMALL)
     interleaved = fit(tmp_path / "interleaved", comparable_run_args, *SMALL, *schedule("Interleaved1F1B", 2))
     assert_trains_as_one_process_does(one_process, interleaved)
 

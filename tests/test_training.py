@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.helpers import (
     DDP_2, QUIET, assert_comparable_runs_agree, assert_weights_equal, batch_sizes, cached_fits, fit,
-    fit_killed_mid_accumulation, last_checkpoint_weights, run_cohort, validate,
+    fit_in_process, fit_killed_mid_accumulation, last_checkpoint_weights, run_cohort, validate,
 )
 
 pytestmark = pytest.mark.slow
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def single_process_run(tmp_path_factory: pytest.TempPathFactory, debug_run_args: list[str]) -> Path:
     """6 steps of the debug model on one process, validated every 3."""
-    return fit(tmp_path_factory.mktemp("single_process"), debug_run_args, "--trainer.max_steps", "6",
-               "--val_every_n_steps", "3", *batch_sizes(8, 4))
+    return fit_in_process(tmp_path_factory.mktemp("single_process"), debug_run_args, "--trainer.max_steps", "6",
+                          "--val_every_n_steps", "3", *batch_sizes(8, 4))
 
 
 def test_single_process_fit_logs_to_tensorboard(single_process_run: Path) -> None:
@@ -49,7 +49,8 @@ def test_ddp_two_processes_match_one_process(tmp_path: Path, comparable_run_args
 def test_accumulation_matches_a_larger_micro_batch(tmp_path: Path, comparable_run_args: list[str],
                                                   one_process_comparable_run: Path) -> None:
     """Micro-batches of 4 accumulated twice, or one of 8: the same steps."""
-    assert_comparable_runs_agree(one_process_comparable_run, fit(tmp_path, comparable_run_args, *batch_sizes(8, 8)))
+    assert_comparable_runs_agree(one_process_comparable_run,
+                                 fit_in_process(tmp_path, comparable_run_args, *batch_sizes(8, 8)))
 
 
 def test_ddp_all_reduces_gradients_once_per_optimizer_step(tmp_path: Path, debug_run_args: list[str]) -> None:
