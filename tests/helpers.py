@@ -146,6 +146,18 @@ def one_line_error(args: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
     return message
 
 
+def assert_one_line_error_in_process(args: list[str], cwd: Path, expected: str,
+                                     monkeypatch: pytest.MonkeyPatch) -> str:
+    """As assert_one_line_error, in this process: ``cohort ARGS`` run in ``cwd`` stops with one line naming
+    ``expected`` and leaves the run folders as they were; returns the line."""
+    monkeypatch.chdir(cwd)
+    before = run_folders(cwd)
+    message = one_line_error(args, monkeypatch)
+    assert expected in message, message
+    assert run_folders(cwd) == before, "a failed start must not create or change a run"
+    return message
+
+
 def fit(run_dir: Path, args: list[str], *extra: str) -> Path:
     """``cohort fit`` in ``run_dir`` (made if new); returns it (its lightning_logs holds the run)."""
     run_dir.mkdir(exist_ok=True)
