@@ -44,8 +44,9 @@ def digits_run(steps: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def bert_straight(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) -> Path:
-    """The small BERT on one process: resumed runs and the parallel layouts are compared with it."""
-    return fit(tmp_path_factory.mktemp("bert-straight"), bert_run(byte_corpus))
+    """The small BERT on one process, in this one: resumed runs (bitwise) and the parallel layouts are compared
+    with it."""
+    return fit_in_process(tmp_path_factory.mktemp("bert-straight"), bert_run(byte_corpus))
 
 
 @pytest.mark.slow
@@ -77,10 +78,12 @@ def test_bert_trains_under_every_strategy_as_one_process_does(tmp_path: Path, by
 
 @pytest.fixture(scope="module")
 def digits_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The digits recipe shortened to DIGITS_STEPS on 1 process and on 2, and a short run."""
+    """The digits recipe shortened to DIGITS_STEPS on 1 process and on 2, and a short run; the runs of one process
+    in this one."""
     root = tmp_path_factory.mktemp("digits")
     return {"one": fit_in_process(root / "one", digits_run(DIGITS_STEPS)),
-            "two": fit(root / "two", [*digits_run(DIGITS_STEPS), *DDP_2]), "short": fit(root / "short", digits_run(8))}
+            "two": fit(root / "two", [*digits_run(DIGITS_STEPS), *DDP_2]),
+            "short": fit_in_process(root / "short", digits_run(8))}
 
 
 # the digits without augmentation (whose draws follow the rank), with clipping that bites, 6 steps

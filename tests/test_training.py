@@ -73,8 +73,11 @@ def resume_test_run(debug_run_args: list[str], layout: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory, debug_run_args: list[str]) -> Callable[[str, str], Path]:
-    """The resume tests' run, never interrupted: ("32-true", layout) -> its folder."""
-    return cached_fits(tmp_path_factory, lambda _, layout: resume_test_run(debug_run_args, layout))
+    """The resume tests' run, never interrupted: ("32-true", layout) -> its folder. On one process it runs in this
+    process: the weights are bitwise those of a subprocess's run (the same code, threads and seed), which the
+    killed and stopped runs are."""
+    return cached_fits(tmp_path_factory, lambda _, layout: resume_test_run(debug_run_args, layout),
+                       in_process=lambda _, layout: layout == "1-process")
 
 
 @pytest.mark.parametrize("layout", ["1-process", "ddp-2"])
