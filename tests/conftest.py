@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from datamodules.prepare import prepare_corpus, stdlib_source_files
-from tests.helpers import COMPARABLE_RUN, fit
+from tests.helpers import COMPARABLE_RUN, DDP_2, batch_sizes, fit, fit_in_process, last_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -40,4 +40,27 @@ def comparable_run_args(debug_run_args: list[str]) -> list[str]:
 @pytest.fixture(scope="session")
 def one_process_comparable_run(tmp_path_factory: pytest.TempPathFactory, comparable_run_args: list[str]) -> Path:
     """The one-process run of comparable_run_args that the sharded and pipelined runs are compared with."""
-    return fit(tmp_path_factory.mktemp("one_process"), comparable_run_args)
+    return fit_in_process(tmp_path_factory.mktemp("one_process"), comparable_run_args)
+
+
+@pytest.fixture(scope="session")
+def one_process_comparable_run_resumed(tmp_path_factory: pytest.TempPathFactory, comparable_run_args: list[str],
+                                       one_process_comparable_run: Path) -> Path:
+    """A new one-process run from one_process_comparable_run's last checkpoint (step 4) to step 6: what a run
+    resumed from a checkpoint of step 4 in another layout is compared with."""
+    return fit_in_process(tmp_path_factory.mktemp("one_process_resumed"), comparable_run_args, "--trainer.max_steps",
+                          "6", "--ckpt_path", str(last_checkpoint(one_process_comparable_run)))
+
+
+@pytest.fixture(scope="session")
+def restart_run_args(debug_run_args: list[str]) -> list[str]:
+    """8 steps on 2 processes (DDP) with dropout and a checkpoint every 3: the run that torchrun's restart and
+    SLURM's requeue tests kill in step 5 and resume."""
+    return [*debug_run_args, *DDP_2, "--trainer.max_steps", "8", "--checkpoint.every_n_train_steps", "3",
+            "--model.dropout", "0.1", *batch_sizes(4, 2)]
+
+
+@pytest.fixture(scope="session")
+def restart_run_straight(tmp_path_factory: pytest.TempPathFactory, restart_run_args: list[str]) -> Path:
+    """restart_run_args never interrupted: what a restarted or requeued run must end bitwise equal to."""
+    return fit(tmp_path_factory.mktemp("restart_straight"), restart_run_args)

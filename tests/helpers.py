@@ -74,12 +74,21 @@ def free_port() -> int:
 
 
 def run_cohort(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``python -m app ARGS`` in its own process group, as a user would from ``cwd``."""
+    """Run ``python -m app ARGS`` in its own process group, as a user would from ``cwd``. A run still going after
+    ``timeout`` seconds hangs: it is killed with every rank it started, and subprocess.TimeoutExpired fails the
+    test."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(
-        [sys.executable, "-m", "app", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
-        start_new_session=True,  # so a test can SIGKILL the run and every rank it started, like a node failure
+    process = subprocess.Popen(
+        [sys.executable, "-m", "app", *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,  # so a test can SIGKILL the run and every rank it started, as a node dies
     )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the ranks too, not only the launcher subprocess.run would kill
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def run_folders(cwd: Path) -> list[Path]:
@@ -137,6 +146,18 @@ def one_line_error(args: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
     return message
 
 
+def assert_one_line_error_in_process(args: list[str], cwd: Path, expected: str,
+                                     monkeypatch: pytest.MonkeyPatch) -> str:
+    """As assert_one_line_error, in this process: ``cohort ARGS`` run in ``cwd`` stops with one line naming
+    ``expected`` and leaves the run folders as they were; returns the line."""
+    monkeypatch.chdir(cwd)
+    before = run_folders(cwd)
+    message = one_line_error(args, monkeypatch)
+    assert expected in message, message
+    assert run_folders(cwd) == before, "a failed start must not create or change a run"
+    return message
+
+
 def fit(run_dir: Path, args: list[str], *extra: str) -> Path:
     """``cohort fit`` in ``run_dir`` (made if new); returns it (its lightning_logs holds the run)."""
     run_dir.mkdir(exist_ok=True)
@@ -145,16 +166,29 @@ def fit(run_dir: Path, args: list[str], *extra: str) -> Path:
     return run_dir
 
 
-def cached_fits(tmp_path_factory: pytest.TempPathFactory,
-                args_of: Callable[[str, str], list[str]]) -> Callable[[str, str], Path]:
+def fit_in_process(run_dir: Path, args: list[str], *extra: str) -> Path:
+    """``fit`` for a run of one process, in this process: the same command, without a new interpreter's and torch's
+    start-up (most of a short run's time). Only where the run itself is what is compared or checked, not its
+    process (signals, exit codes); several processes would start a process group here."""
+    run_dir.mkdir(exist_ok=True)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.chdir(run_dir)
+        run_in_process(["fit", *args, *QUIET, *extra], monkeypatch)
+    return run_dir
+
+
+def cached_fits(tmp_path_factory: pytest.TempPathFactory, args_of: Callable[[str, str], list[str]],
+                in_process: Callable[[str, str], bool] = lambda precision, layout: False) -> Callable[[str, str], Path]:
     """(precision, layout) -> the folder of a finished ``cohort fit`` with ``args_of(precision, layout)``, run the
-    first time it is asked for, so that the tests of a module share their runs."""
+    first time it is asked for (in this process where ``in_process`` says so), so that the tests of a module share
+    their runs."""
     runs: dict[tuple[str, str], Path] = {}
 
     def get(precision: str, layout: str) -> Path:
         if (precision, layout) not in runs:
             run_dir = tmp_path_factory.mktemp(f"{precision}-{layout}".replace(" ", "_"))
-            runs[precision, layout] = fit(run_dir, args_of(precision, layout))
+            runner = fit_in_process if in_process(precision, layout) else fit
+            runs[precision, layout] = runner(run_dir, args_of(precision, layout))
         return runs[precision, layout]
 
     return get
@@ -423,6 +457,74 @@ class SlowRank(Callback):
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         if trainer.global_rank == self.rank:
             time.sleep(self.seconds)
+
+
+class LagBehindWorker(Callback):
+    """Parameter-server workers that count their pushes the server answered with weights (applied, or dropped as
+    too stale), each into ``out_dir``/answered_rank{R}.json; worker ``rank`` also lags worker ``other`` by an exact
+    number of updates, whatever the machine's speed: before each push it waits until ``other`` has had ``behind``
+    more pushes answered than when its own step began (or has finished). ``other`` sends at most one push before its
+    count moves on, so ``behind - 1`` of those were sent, and applied, after this worker's weights came: each of
+    this worker's gradients arrives at least ``behind - 1`` updates stale."""
+
+    def __init__(self, out_dir: str, rank: int, other: int, behind: int) -> None:
+        self.out_dir = Path(out_dir)
+        self.rank, self.other, self.behind = rank, other, behind
+        self.answered = 0
+        self.batch_idx = 0
+        self.other_at_step_start = 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.write(trainer, finished=False)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.batch_idx = batch_idx
+        if trainer.global_rank == self.rank and batch_idx % trainer.accumulate_grad_batches == 0:
+            self.other_at_step_start = self.read_other()[0]
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        last_micro_batch = (self.batch_idx + 1) % trainer.accumulate_grad_batches == 0  # its push follows
+        if trainer.global_rank != self.rank or not last_micro_batch:
+            return
+        deadline = time.monotonic() + 120  # a wait that never ends fails the run instead of hanging the suite
+        while True:
+            answered, finished = self.read_other()
+            if finished or answered >= self.other_at_step_start + self.behind:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {self.other} made no progress while worker {self.rank} waited for it")
+            time.sleep(0.005)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0 and not trainer.should_stop:  # stop: not answered
+            self.answered += 1
+            self.write(trainer, finished=False)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.write(trainer, finished=True)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.write(trainer, finished=True)
+
+    def write(self, trainer: L.Trainer, finished: bool) -> None:
+        if trainer.global_rank == 0:  # the server pushes nothing
+            return
+        path = self.out_dir / f"answered_rank{trainer.global_rank}.json"
+        path.with_suffix(".tmp").write_text(json.dumps({"answered": self.answered, "finished": finished}))
+        path.with_suffix(".tmp").replace(path)  # whole or not at all: the other worker reads it meanwhile
+
+    def read_other(self) -> tuple[int, bool]:
+        path = self.out_dir / f"answered_rank{self.other}.json"
+        if not path.exists():  # not started yet
+            return 0, False
+        seen = json.loads(path.read_text())
+        return seen["answered"], seen["finished"]
+
+
+def answered_pushes(run_dir: Path, worker: int) -> int:
+    """How many of ``worker``'s pushes the server answered with weights, as LagBehindWorker counted them."""
+    return json.loads((run_dir / f"answered_rank{worker}.json").read_text())["answered"]
 
 
 class SlowRankByFactor(Callback):

@@ -18,7 +18,7 @@ from app.safety.checkpoints import optimizer_state_by_name, optimizer_state_by_p
 from models.gpt import gpt_config
 from models.language_model import GPTLanguageModel, build_gpt
 from models.optimizer import weight_decay_groups
-from tests.helpers import DDP_2, QUIET, fit, one_line_error, run_cohort
+from tests.helpers import DDP_2, QUIET, fit_in_process, one_line_error, run_cohort
 
 
 class CreatesAFile:
@@ -123,8 +123,8 @@ def test_no_checkpoint_is_written_with_nan_on_any_rank(tmp_path: Path, debug_run
 def test_the_newest_step_checkpoints_are_kept_and_last_links_to_the_newest(tmp_path: Path,
                                                                             debug_run_args: list[str]) -> None:
     """Every 2 steps, keep 2 (the default), and the final step 7 saved too; the oldest go only after a new one."""
-    fit(tmp_path, debug_run_args, "--trainer.max_steps", "7", "--checkpoint.every_n_train_steps", "2",
-        "--data.global_batch_size", "4", "--data.micro_batch_size", "4")
+    fit_in_process(tmp_path, debug_run_args, "--trainer.max_steps", "7", "--checkpoint.every_n_train_steps", "2",
+                   "--data.global_batch_size", "4", "--data.micro_batch_size", "4")
     folder = tmp_path / "lightning_logs/version_0/checkpoints"
     assert sorted(path.name for path in folder.iterdir()) == ["last.ckpt", "step=000006.ckpt", "step=000007.ckpt"]
     assert os.readlink(folder / "last.ckpt") == "step=000007.ckpt"

@@ -16,26 +16,14 @@ import torch
 
 from datamodules.prepare import prepare_corpus
 from tests.helpers import (
-    CONFIG_DIR, DDP_2, ONE_STEP, QUIET, assert_one_line_error, batch_sizes, fit, last_checkpoint, one_line_error,
-    run_cohort, run_folders, run_in_process,
+    CONFIG_DIR, DDP_2, ONE_STEP, QUIET, assert_one_line_error, assert_one_line_error_in_process, batch_sizes, fit,
+    last_checkpoint, run_cohort, run_folders, run_in_process,
 )
 
 
 @pytest.fixture
 def fit_args(debug_run_args: list[str]) -> list[str]:
     return ["fit", *debug_run_args, *QUIET, *ONE_STEP]
-
-
-def assert_one_line_error_in_process(args: list[str], cwd: Path, expected: str,
-                                     monkeypatch: pytest.MonkeyPatch) -> str:
-    """As assert_one_line_error, in this process: ``cohort ARGS`` run in ``cwd`` stops with one line naming
-    ``expected`` and leaves the run folders as they were; returns the line."""
-    monkeypatch.chdir(cwd)
-    before = run_folders(cwd)
-    message = one_line_error(args, monkeypatch)
-    assert expected in message, message
-    assert run_folders(cwd) == before, "a failed start must not create or change a run"
-    return message
 
 
 # Bad inputs: each makes what it needs in a folder and returns the flags that point at it and a part of the message

@@ -19,8 +19,8 @@ from core.tokens import IGNORE_INDEX
 from models.masked_language_model import BertMaskedLanguageModel
 from tests.helpers import (
     COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, adam_weight_drift, assert_comparable_runs_agree,
-    assert_weights_agree, assert_weights_equal, fit, fit_killed_mid_accumulation, last_checkpoint,
-    last_checkpoint_contents, last_checkpoint_weights, one_line_error, scalars,
+    assert_weights_agree, assert_weights_equal, fit, fit_in_process, fit_killed_mid_accumulation, last_checkpoint,
+    last_checkpoint_contents, last_checkpoint_weights, one_line_error, process_state_kept, scalars,
 )
 
 BERT = ["-c", str(CONFIG_DIR / "bert-small/pretrain.yaml")]
@@ -45,8 +45,9 @@ def digits_run(steps: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def bert_straight(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) -> Path:
-    """The small BERT on one process: resumed runs and the parallel layouts are compared with it."""
-    return fit(tmp_path_factory.mktemp("bert-straight"), bert_run(byte_corpus))
+    """The small BERT on one process, in this one: resumed runs (bitwise) and the parallel layouts are compared
+    with it."""
+    return fit_in_process(tmp_path_factory.mktemp("bert-straight"), bert_run(byte_corpus))
 
 
 @pytest.mark.slow
@@ -78,10 +79,12 @@ def test_bert_trains_under_every_strategy_as_one_process_does(tmp_path: Path, by
 
 @pytest.fixture(scope="module")
 def digits_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The digits recipe shortened to DIGITS_STEPS on 1 process and on 2, and a short run."""
+    """The digits recipe shortened to DIGITS_STEPS on 1 process and on 2, and a short run; the runs of one process
+    in this one."""
     root = tmp_path_factory.mktemp("digits")
-    return {"one": fit(root / "one", digits_run(DIGITS_STEPS)),
-            "two": fit(root / "two", [*digits_run(DIGITS_STEPS), *DDP_2]), "short": fit(root / "short", digits_run(8))}
+    return {"one": fit_in_process(root / "one", digits_run(DIGITS_STEPS)),
+            "two": fit(root / "two", [*digits_run(DIGITS_STEPS), *DDP_2]),
+            "short": fit_in_process(root / "short", digits_run(8))}
 
 
 # the digits without augmentation (whose draws follow the rank), with clipping that bites, 6 steps
@@ -90,18 +93,25 @@ UNAUGMENTED_DIGITS = [*digits_run(6), "--data.crop_padding", "0", "--data.rotati
 BATCH_NORM_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 
 
+@pytest.fixture(scope="module")
+def unaugmented_digits_one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """UNAUGMENTED_DIGITS on one process: the layouts below are compared with it."""
+    return fit_in_process(tmp_path_factory.mktemp("digits-one"), UNAUGMENTED_DIGITS)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     DDP_2, MODEL_PARALLEL,
     ["-c", str(CONFIG_DIR / "trainer/async_ps_cpu.yaml"), "--trainer.devices", "2",
      "--trainer.strategy.init_args.max_staleness", "0", "--trainer.strategy.init_args.staleness_policy", "drop"],
 ], ids=["ddp", "fsdp2", "asynchronous-one-worker"])
-def test_the_classifier_trains_as_one_process_does(tmp_path: Path, layout: list[str]) -> None:
+def test_the_classifier_trains_as_one_process_does(tmp_path: Path, unaugmented_digits_one_process: Path,
+                                                   layout: list[str]) -> None:
     """Without augmentation every layout reads the same images in the same micro-batches of 32, so BatchNorm
     normalises the same groups: the same clipped gradient norm at every step and the same weights as one process.
     Not the BatchNorms' running statistics, which only validation reads: DDP keeps rank 0's (its broadcast_buffers),
     FSDP2 each rank its own, so they are left out, and so is the validation loss."""
-    one = fit(tmp_path / "one", UNAUGMENTED_DIGITS)
+    one = unaugmented_digits_one_process
     other = fit(tmp_path / "other", [*UNAUGMENTED_DIGITS, *layout])
     norms = scalars(one, "train/grad_norm")
     assert len(norms) == 6 and min(norms) > 0.1  # clipping bites at every step
@@ -210,7 +220,7 @@ def test_the_doctor_answers_whether_bert_large_fits_a_16_gb_gpu(layout: list[str
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """The lesson's example: batch 64 of BERT-large on one 16 GB GPU does not fit; 8 per GPU on 8 GPUs does. (This
     machine has no GPU and no token files, so the doctor also fails those checks; the memory line is the point.)"""
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit), process_state_kept():  # doctor sets MASTER_ADDR/PORT, which runs after inherit
         doctor(["-c", str(CONFIG_DIR / "bert-large/pretrain.yaml"), *layout, "--device_memory", "16GiB"])
     line = next(line for line in capsys.readouterr().out.splitlines() if " memory " in line)
     needed = float(re.search(r"needs ([0-9.]+) GiB", line).group(1))
@@ -241,6 +251,6 @@ def test_a_device_memory_that_is_not_a_size_is_a_failed_check(debug_run_args: li
                                                               capsys: pytest.CaptureFixture[str],
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit), process_state_kept():
         doctor([*debug_run_args, "--device_memory", "sixteen"])
     assert "FAIL  memory           --device_memory: device memory 'sixteen' is not a size" in capsys.readouterr().out

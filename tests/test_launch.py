@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
-    DDP_2, ONE_STEP, QUIET, REPO_ROOT, assert_weights_equal, batch_sizes, fit, free_port, last_checkpoint_weights,
+    DDP_2, ONE_STEP, QUIET, REPO_ROOT, assert_weights_equal, batch_sizes, free_port, last_checkpoint_weights,
     run_cohort, run_in_process,
 )
 
@@ -123,33 +123,31 @@ def test_two_hosts_with_their_own_addresses_train_together(tmp_path: Path, debug
 def test_a_killed_rank_stops_the_job_with_a_clear_message(tmp_path: Path, debug_run_args: list[str]) -> None:
     args = ["fit", *debug_run_args, *QUIET, *DDP_2, "--trainer.max_steps", "50", *batch_sizes(4, 2),
             "--trainer.callbacks+=tests.helpers.KillRank", "--trainer.callbacks.rank=1", "--trainer.callbacks.step=3"]
-    start = time.monotonic()
     job = launch(args, tmp_path, NPROC_PER_NODE="2", MASTER_PORT=str(free_port()), MAX_RESTARTS="0")
+    # unnoticed, the dead rank would leave rank 0 in its all-reduce for the collective timeout (30 min): a hang
+    # that outputs_of's timeout fails the test on
     output = outputs_of([job], timeout=180)[0]
-    elapsed = time.monotonic() - start
     assert job.returncode != 0
-    assert elapsed < 120, f"took {elapsed:.0f} s to notice a dead rank"
     assert "Signal 9 (SIGKILL)" in output and "rank      : 1" in output, output[-3000:]
 
 
 def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_interrupted(tmp_path: Path,
-                                                                              debug_run_args: list[str]) -> None:
+                                                                              restart_run_args: list[str],
+                                                                              restart_run_straight: Path) -> None:
     """SIGKILL of rank 1 in step 5, checkpoints every 3 steps: torchrun restarts both ranks, they resume from step 3
     by themselves (no --ckpt_path), and the final weights are bitwise those of a run never interrupted."""
-    run = [*debug_run_args, *DDP_2, "--trainer.max_steps", "8", "--checkpoint.every_n_train_steps", "3",
-           "--model.dropout", "0.1", *batch_sizes(4, 2)]
     restarted = tmp_path / "restarted"
     restarted.mkdir()
-    job = launch(["fit", *run, *QUIET, "--trainer.callbacks+=tests.helpers.KillRank", "--trainer.callbacks.rank=1",
-                  "--trainer.callbacks.step=5"], restarted, NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    job = launch(["fit", *restart_run_args, *QUIET, "--trainer.callbacks+=tests.helpers.KillRank",
+                  "--trainer.callbacks.rank=1", "--trainer.callbacks.step=5"], restarted, NPROC_PER_NODE="2",
+                 MASTER_PORT=str(free_port()))
     output = outputs_of([job], timeout=300)[0]
     assert job.returncode == 0, output[-3000:]
     # it did die: torchrun names the first failure it sees, rank 1's SIGKILL or rank 0 leaving at once on the lost peer
     assert re.search(r"failed \(exitcode: (-9|1)\) local_rank: [01]", output), output[-3000:]
     assert output.count("resuming from lightning_logs/version_0/checkpoints/last.ckpt") == 1
     assert not (restarted / "lightning_logs" / "version_1").exists()
-    straight = fit(tmp_path / "straight", run)
-    assert_weights_equal(last_checkpoint_weights(straight), last_checkpoint_weights(restarted))
+    assert_weights_equal(last_checkpoint_weights(restart_run_straight), last_checkpoint_weights(restarted))
 
 
 def test_a_restart_does_not_resume_a_checkpoint_older_than_the_job(tmp_path: Path, debug_run_args: list[str],

@@ -14,7 +14,7 @@ import pytest
 
 from app.__main__ import main
 from app.safety.checkpoints import consolidate
-from tests.helpers import QUIET, REPO_ROOT, fit, last_checkpoint
+from tests.helpers import QUIET, REPO_ROOT, fit, fit_in_process, last_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, run_args: list[str]) -
     """Layout -> the file checkpoint of a finished run: last.ckpt, or FSDP2's folder consolidated."""
     files = {}
     for layout, placement in LAYOUTS.items():
-        path = last_checkpoint(fit(tmp_path_factory.mktemp(layout), run_args, *placement))
+        runner = fit_in_process if layout == "one_process" else fit
+        path = last_checkpoint(runner(tmp_path_factory.mktemp(layout), run_args, *placement))
         assert path.is_dir() == (layout == "fsdp2")  # sharded: a folder, one file per rank
         if path.is_dir():
             consolidate(path, path.with_name("last.consolidated.ckpt"))  # what `cohort consolidate` does

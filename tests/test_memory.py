@@ -4,7 +4,6 @@ beyond the debug-sized models."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -40,9 +39,9 @@ def resident_bytes() -> int:
 
 
 def test_gpt2_state_is_exact_and_costs_nothing_to_estimate() -> None:
-    before, start = resident_bytes(), time.perf_counter()
+    before = resident_bytes()
     estimate = gpt2_estimate(strategy="ddp", data_parallel_size=8)
-    assert time.perf_counter() - start < 10
+    # the cost, in memory rather than in seconds (a busy machine's clock says nothing): no real model was built
     assert resident_bytes() - before < 100 * 2**20  # the real model would take 475 MiB of parameters alone
     assert estimate.parameters == GPT2_PARAMETERS * 4
     assert estimate.gradients == GPT2_PARAMETERS * 4

@@ -20,8 +20,8 @@ from models.language_model import build_gpt
 from models.pipeline import split_layers
 from tests.helpers import (
     CLIP, CONFIG_DIR, MODEL_PARALLEL, QUIET, assert_one_line_error,
-    assert_sharded_resume_after_sigkill_is_bitwise_exact, assert_weights_agree, fit, last_checkpoint, one_line_error,
-    run_cohort, scalars, validate,
+    assert_sharded_resume_after_sigkill_is_bitwise_exact, assert_weights_agree, fit, fit_in_process, last_checkpoint,
+    one_line_error, run_cohort, scalars, validate,
 )
 
 pytestmark = pytest.mark.slow
@@ -70,13 +70,24 @@ def test_pipeline_trains_as_one_process_does(one_process_comparable_run: Path, p
 
 
 def test_the_monitor_measures_each_ranks_bubble_beside_the_theory(pipelined_runs: dict[str, Path]) -> None:
-    """1F1B with 4 pipeline micro-batches on 2 stages: theory 1 / 5; each rank computes for part of the pipeline's
-    time and waits on the other for the rest, and the custom-scalars layout draws both ranks with the theory."""
+    """1F1B with 4 pipeline micro-batches on 2 stages: theory (p - 1) / (m + p - 1) = 1 / 5. Each rank's measured
+    bubble is the share of the pipeline's time (the longest any rank spent in the schedule, its compute plus its
+    wait) in which it did not compute, from the compute and wait it logged for the same window. The last stage
+    cannot start before the first stage's first forward, and the first cannot end before its own last backward,
+    which follows the last stage's: the pipeline's time is at least the last stage's compute plus one micro-batch
+    of the first's (1 / m of its compute). So with c the smaller compute it is at least c (m + p - 1) / m, and the
+    most idle rank's bubble at least the theory, however uneven the stages. The custom-scalars layout draws both
+    ranks with the theory."""
     run = pipelined_runs["1F1B"]
-    assert scalars(run, "monitor/pipeline_bubble_theory") == pytest.approx([0.2] * 4)
-    for rank in (0, 1):
-        assert all(0 < bubble < 1 for bubble in scalars(run, f"monitor/pipeline_bubble/rank{rank}"))
-        assert all(wait > 0 for wait in scalars(run, f"monitor/pipeline_wait_s/rank{rank}"))
+    assert scalars(run, "monitor/pipeline_bubble_theory") == pytest.approx([1 / 5] * 4)
+    compute, wait, bubble = ([scalars(run, f"monitor/pipeline_{series}/rank{rank}") for rank in (0, 1)]
+                             for series in ("compute_s", "wait_s", "bubble"))
+    for window in range(4):
+        span = max(compute[rank][window] + wait[rank][window] for rank in (0, 1))
+        assert all(compute[rank][window] > 0 and wait[rank][window] > 0 for rank in (0, 1))  # each waits on the other
+        measured = [bubble[rank][window] for rank in (0, 1)]
+        assert measured == pytest.approx([1 - compute[rank][window] / span for rank in (0, 1)], abs=1e-6)
+        assert max(measured) >= 1 / 5, measured
     events = EventAccumulator(str(run / "lightning_logs" / "version_0"), size_guidance={"tensors": 0})
     events.Reload()
     layout = layout_pb2.Layout.FromString(events.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
@@ -87,20 +98,19 @@ def test_the_monitor_measures_each_ranks_bubble_beside_the_theory(pipelined_runs
 
 def test_interleaved_pipeline_trains_as_one_process_does(tmp_path: Path, comparable_run_args: list[str]) -> None:
     """Interleaved 1F1B: the small model's 4 blocks as 4 stages, 2 on each rank (0 and 2, 1 and 3)."""
-    one_process = fit(tmp_path / "one_process", comparable_run_args, *SMALL)
+    one_process = fit_in_process(tmp_path / "one_process", comparable_run_args, *SMALL)
     interleaved = fit(tmp_path / "interleaved", comparable_run_args, *SMALL, *schedule("Interleaved1F1B", 2))
     assert_trains_as_one_process_does(one_process, interleaved)
 
 
 def test_pipelined_checkpoint_resumes_under_fsdp2(tmp_path: Path, comparable_run_args: list[str],
-                                                  one_process_comparable_run: Path, pipelined_runs: dict[str, Path]) -> None:
+                                                  one_process_comparable_run_resumed: Path,
+                                                  pipelined_runs: dict[str, Path]) -> None:
     """Weights and Adam's moments go from the pipeline's stages into FSDP2 shards: the next two steps match the
     one-process run resumed from its own checkpoint of the same step."""
-    resumed = {name: fit(tmp_path / name, comparable_run_args, *strategy, "--trainer.max_steps", "6",
-                         "--ckpt_path", str(last_checkpoint(run)))
-               for name, strategy, run in (("one_process", [], one_process_comparable_run),
-                                           ("fsdp2", MODEL_PARALLEL, pipelined_runs["1F1B"]))}
-    assert_weights_agree(resumed["one_process"], resumed["fsdp2"])
+    fsdp2 = fit(tmp_path / "fsdp2", comparable_run_args, *MODEL_PARALLEL, "--trainer.max_steps", "6",
+                "--ckpt_path", str(last_checkpoint(pipelined_runs["1F1B"])))
+    assert_weights_agree(one_process_comparable_run_resumed, fsdp2)
 
 
 def test_pipelined_checkpoint_validates_alike_in_one_process(pipelined_runs: dict[str, Path], comparable_run_args: list[str]) -> None:

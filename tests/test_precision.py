@@ -57,7 +57,8 @@ def layout_preset(precision: str, layout: str) -> list[str]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) -> Callable[[str, str], Path]:
     return cached_fits(tmp_path_factory,
-                       lambda precision, layout: clipped_run(byte_corpus, *layout_preset(precision, layout)))
+                       lambda precision, layout: clipped_run(byte_corpus, *layout_preset(precision, layout)),
+                       in_process=lambda precision, layout: layout == "1 process")
 
 
 @pytest.mark.parametrize("layout", CPU_LAYOUTS)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
-    MODEL_PARALLEL, QUIET, assert_comparable_runs_agree, assert_one_line_error,
+    MODEL_PARALLEL, QUIET, assert_comparable_runs_agree, assert_one_line_error, assert_one_line_error_in_process,
     assert_sharded_resume_after_sigkill_is_bitwise_exact, assert_weights_agree, fit, last_checkpoint, run_cohort,
     validate,
 )
@@ -56,14 +56,14 @@ def test_consolidated_checkpoint_validates_alike_in_one_process(fsdp2_run: Path,
     assert again.returncode != 0 and "already exists" in again.stderr.splitlines()[-1]
 
 
-def test_single_file_checkpoint_resumes_sharded(tmp_path: Path, comparable_run_args: list[str], one_process_comparable_run: Path) -> None:
+def test_single_file_checkpoint_resumes_sharded(tmp_path: Path, comparable_run_args: list[str],
+                                                one_process_comparable_run: Path,
+                                                one_process_comparable_run_resumed: Path) -> None:
     """Weights and the optimizer's moments go from a one-process file into FSDP2 shards: the next steps match
     the one-process run resumed from the same file."""
-    resumed = {}
-    for name, strategy in (("one_process", []), ("fsdp2", MODEL_PARALLEL)):
-        resumed[name] = fit(tmp_path / name, comparable_run_args, *strategy, "--trainer.max_steps", "6",
-                            "--ckpt_path", str(last_checkpoint(one_process_comparable_run)))
-    assert_weights_agree(resumed["one_process"], resumed["fsdp2"])
+    fsdp2 = fit(tmp_path / "fsdp2", comparable_run_args, *MODEL_PARALLEL, "--trainer.max_steps", "6",
+                "--ckpt_path", str(last_checkpoint(one_process_comparable_run)))
+    assert_weights_agree(one_process_comparable_run_resumed, fsdp2)
 
 
 def test_sharded_checkpoint_resumes_on_another_world_size(tmp_path: Path, comparable_run_args: list[str], fsdp2_run: Path) -> None:
@@ -76,8 +76,11 @@ def test_sharded_checkpoint_resumes_on_another_world_size(tmp_path: Path, compar
     assert_weights_agree(resumed["two_ranks"], resumed["one_rank"])
 
 
-def test_sharding_mistakes_get_one_line(tmp_path: Path, comparable_run_args: list[str], fsdp2_run: Path) -> None:
-    cases = [
+def test_sharding_mistakes_get_one_line(tmp_path: Path, comparable_run_args: list[str], fsdp2_run: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each before any process starts, with no run folder made: one as a user runs it, end to end, the others in
+    this process (faster by the interpreter's and torch's start-up)."""
+    (first, expected_first), *cases = [
         (["--trainer.strategy", "fsdp"], "fsdp needs CUDA GPUs: on CPUs use configs/trainer/model_parallel_cpu.yaml"),
         ([*TENSOR_PARALLEL, "--trainer.devices", "3", "--trainer.strategy.init_args.tensor_parallel_size", "3"],
          "tensor_parallel_size=3 does not divide the model's 2 attention heads"),
@@ -86,5 +89,6 @@ def test_sharding_mistakes_get_one_line(tmp_path: Path, comparable_run_args: lis
         ([*MODEL_PARALLEL, "--model.model_name", "small", "--ckpt_path", str(last_checkpoint(fsdp2_run))],
          "was trained with model.model_name='debug'"),
     ]
+    assert_one_line_error(["fit", *comparable_run_args, *QUIET, *first], tmp_path, expected_first)
     for extra, expected in cases:
-        assert_one_line_error(["fit", *comparable_run_args, *QUIET, *extra], tmp_path, expected)  # and no lightning_logs
+        assert_one_line_error_in_process(["fit", *comparable_run_args, *QUIET, *extra], tmp_path, expected, monkeypatch)

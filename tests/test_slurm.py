@@ -122,12 +122,13 @@ def test_sbatch_script_trains_with_two_tasks(slurm: dict[str, str], tmp_path: Pa
 
 def test_preempted_job_requeues_and_resumes_to_the_same_weights(slurm: dict[str, str], tmp_path: Path,
                                                                 debug_run_args: list[str]) -> None:
-    run = [*debug_run_args, *QUIET, *DDP_2, "--trainer.max_steps", "300", *batch_sizes(4, 2),
-           "--checkpoint.every_n_train_steps", "1000", "--trainer.callbacks+=tests.helpers.SlowRank",
-           "--trainer.callbacks.rank=0", "--trainer.callbacks.seconds=0.02"]  # about 10 s of training
+    run = [*debug_run_args, *QUIET, *DDP_2, "--trainer.max_steps", "150", *batch_sizes(4, 2),
+           "--checkpoint.every_n_train_steps", "1000"]
+    slowed = ["--trainer.callbacks+=tests.helpers.SlowRank", "--trainer.callbacks.rank=0",
+              "--trainer.callbacks.seconds=0.04"]  # about 10 s of training: time for the signal to arrive mid-run
     job_dir = tmp_path / "job"
     job_dir.mkdir()
-    job_id = submit(slurm, job_dir, run)
+    job_id = submit(slurm, job_dir, [*run, *slowed])
     log_path = job_dir / f"slurm-{job_id}.out"
     wait_for(lambda: log_path.exists() and "preemption: SIGUSR1 will checkpoint" in log_path.read_text(), 120,
              "the training loop to install its preemption handler")
@@ -138,26 +139,24 @@ def test_preempted_job_requeues_and_resumes_to_the_same_weights(slurm: dict[str,
     assert "preemption: SIGUSR1 received, stopping after step" in log and f"job {job_id} requeued" in log
     assert "(restart 1)" in log and "resuming from" in log
     stopped_at = int(re.search(r"stopping after step (\d+)", log).group(1))
-    assert 0 < stopped_at < 300
+    assert 0 < stopped_at < 150
 
-    straight = fit(tmp_path / "straight", run)
+    straight = fit(tmp_path / "straight", run)  # not slowed: a sleep changes no weight
     assert_weights_equal(last_checkpoint_weights(straight), last_checkpoint_weights(job_dir))
 
 
 def test_a_crashed_task_requeues_the_job_which_resumes_to_the_same_weights(slurm: dict[str, str], tmp_path: Path,
-                                                                           debug_run_args: list[str]) -> None:
+                                                                           restart_run_args: list[str],
+                                                                           restart_run_straight: Path) -> None:
     """SIGKILL of rank 1 in step 5, checkpoints every 3 steps: srun ends the step, the script requeues the job, the
     requeued job resumes from step 3 and ends with the weights of a run never interrupted."""
-    run = [*debug_run_args, *QUIET, *DDP_2, "--trainer.max_steps", "8", *batch_sizes(4, 2),
-           "--checkpoint.every_n_train_steps", "3", "--model.dropout", "0.1"]
     job_dir = tmp_path / "job"
     job_dir.mkdir()
-    job_id = submit(slurm, job_dir, [*run, "--trainer.callbacks+=tests.helpers.KillRank", "--trainer.callbacks.rank=1",
-                                     "--trainer.callbacks.step=5"])
+    job_id = submit(slurm, job_dir, [*restart_run_args, *QUIET, "--trainer.callbacks+=tests.helpers.KillRank",
+                                     "--trainer.callbacks.rank=1", "--trainer.callbacks.step=5"])
     state = wait_until_finished(slurm, job_id, timeout=300)
     log = (job_dir / f"slurm-{job_id}.out").read_text()
     assert state == "COMPLETED", log[-4000:]
     assert "(restart 1)" in log and "resuming from lightning_logs/version_0/checkpoints/last.ckpt" in log
 
-    straight = fit(tmp_path / "straight", run)
-    assert_weights_equal(last_checkpoint_weights(straight), last_checkpoint_weights(job_dir))
+    assert_weights_equal(last_checkpoint_weights(restart_run_straight), last_checkpoint_weights(job_dir))

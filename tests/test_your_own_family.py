@@ -18,7 +18,8 @@ from models.optimizer import OptimizerSettings
 from models.parallelize import TensorParallelPlan
 from models.pipeline import PipelineSplit
 from tests.helpers import (
-    CONFIG_DIR, DDP_2, MODEL_PARALLEL, QUIET, assert_comparable_runs_agree, fit, one_line_error, run_cohort,
+    CONFIG_DIR, DDP_2, MODEL_PARALLEL, QUIET, assert_comparable_runs_agree, fit, fit_in_process, one_line_error,
+    run_cohort,
 )
 
 TENSOR_PARALLEL = [*MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
@@ -113,7 +114,7 @@ def family(name: str, comparable_run_args: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory, comparable_run_args: list[str]) -> dict[str, Path]:
-    return {name: fit(tmp_path_factory.mktemp(name), family(name, comparable_run_args))
+    return {name: fit_in_process(tmp_path_factory.mktemp(name), family(name, comparable_run_args))
             for name in ("NextByteMLP", "TinyEncoderLanguageModel")}
 
 
