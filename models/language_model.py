@@ -112,9 +112,9 @@ class CausalLanguageModel(CohortModule):
         without building it)."""
         parameters = self.num_parameters()
         c = self.config
-        return (f"{self.label} '{self.hparams.model_name}', {c.n_layer} layers x {c.n_head} heads, width {c.n_embd}, context "
-                f"{c.block_size}, vocabulary {c.vocab_size}: {parameters:,} parameters ({parameters * 4 / 2**20:,.1f} "
-                "MiB in float32)")
+        return (f"{self.label} '{self.hparams.model_name}', {c.n_layer} layers x {c.n_head} heads, width {c.n_embd}, "
+                f"context {c.block_size}, vocabulary {c.vocab_size}: {parameters:,} parameters "
+                f"({parameters * 4 / 2**20:,.1f} MiB in float32)")
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._update_mean_loss(self.val_loss, batch)

@@ -72,7 +72,8 @@ class HuggingFaceFolder:
                 self.files = dict.fromkeys(weights.keys(), self.path / WEIGHTS_FILE)
         elif any(self.path.glob("*.bin")):
             raise UserError(f"{where} holds pickled .bin weights, which Cohort does not unpickle: convert them once "
-                            "with transformers (from_pretrained, then save_pretrained(folder, safe_serialization=True))")
+                            "with transformers (from_pretrained, then save_pretrained(folder, "
+                            "safe_serialization=True))")
         else:
             raise UserError(f"{where} has neither {WEIGHTS_FILE} nor {INDEX_FILE}: give the folder that "
                             "save_pretrained wrote")

@@ -137,7 +137,8 @@ def test_the_command_refuses_a_folder_of_another_size_before_it_starts(tmp_path:
     write_llama_folder(tmp_path / "llama")
     args = ["fit", "-c", str(CONFIG_DIR / "llama-small/pretrain.yaml"), "--data.data_dir", str(byte_corpus),
             "--model.init_from", str(tmp_path / "llama")]
-    assert "is not a model 'small': its config.json has n_layer 2 (model 'small': 4)" in one_line_error(args, monkeypatch)
+    refusal = one_line_error(args, monkeypatch)
+    assert "is not a model 'small': its config.json has n_layer 2 (model 'small': 4)" in refusal
 
 
 IMPORTED_LAYOUTS = {
@@ -164,7 +165,8 @@ def imported_runs(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) -
            "--data.data_dir", str(byte_corpus), "--data.sequence_length", "64", "--trainer.log_every_n_steps", "1",
            "--model.optimizer.warmup_steps", "2", "--model.max_new_tokens", "0", *COMPARABLE_RUN]
     runs = {"one process": [], **IMPORTED_LAYOUTS}
-    return {name: fit(tmp_path_factory.mktemp(name.replace(" ", "-")), [*run, "--model.init_from", str(folder), *layout])
+    imported = [*run, "--model.init_from", str(folder)]
+    return {name: fit(tmp_path_factory.mktemp(name.replace(" ", "-")), [*imported, *layout])
             for name, layout in runs.items()} | {"seed": fit(tmp_path_factory.mktemp("seed"), run)}
 
 
