@@ -34,7 +34,7 @@ from models.llama import Llama, LlamaConfig
 WEIGHTS_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 # tensors a Hugging Face file may hold that are not weights (rotary tables, GPT-2's causal masks, BERT's position
 # ids) or not this model's (BERT's pooler and next-sentence head, from its pretraining)
-NOT_WEIGHTS = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias", "embeddings.position_ids")
+NOT_WEIGHTS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias", "embeddings.position_ids")
 NOT_THIS_MODEL = ("bert.pooler.", "cls.seq_relationship.")
 # Cohort BERT module -> BertForMaskedLM module (models/bert.py); {i} is a block's index
 BERT_NAMES = {
