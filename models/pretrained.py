@@ -233,9 +233,9 @@ def check_pretrained(folder: HuggingFaceFolder, config: LlamaConfig | GPTConfig 
     reshaped = []
     for name, (source, to_cohort) in read.items():
         if source in folder.files:
-            shape = tuple(to_cohort(torch.empty(folder.shape(source), device="meta")).shape)
-            if shape != expected[name]:
-                reshaped.append(f"{source} {folder.shape(source)} (Cohort's {name}: {expected[name]})")
+            stored = folder.shape(source)
+            if tuple(to_cohort(torch.empty(stored, device="meta")).shape) != expected[name]:
+                reshaped.append(f"{source} {stored} (Cohort's {name}: {expected[name]})")
     used = {source for source, _ in read.values()}
     unused = sorted(name for name in folder.files if name not in used and not name.endswith(NOT_WEIGHTS)
                     and not name.startswith(NOT_THIS_MODEL))
