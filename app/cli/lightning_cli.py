@@ -218,21 +218,18 @@ def run_cli(args: list[str] | None) -> None:
     """The Lightning subcommands; a run stopped by a signal exits non-zero, saying how to resume."""
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(without_advertisements)  # rank_zero_info's
     cli = CohortCLI(args=args)
-    leave_process_group()
+    exit_code = 0
     preemption = preemption_callback(cli.trainer)
     if preemption is not None and (message := preemption.stop_message(cli.trainer)):
         if cli.trainer.is_global_zero:
             print(f"cohort: {message}", file=sys.stderr)
-        sys.exit(128 + preemption.stopped_by)
-
-
-def leave_process_group() -> None:
-    """Every rank, having finished its command, tears the process groups down together. Left to the interpreter's
-    exit, gloo's threads can outlive what they point to and abort the process ("terminate called without an active
-    exception") after a run that succeeded (seen with the pipeline's groups)."""
+        exit_code = 128 + preemption.stopped_by
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        dist.barrier()  # every rank has finished its command
         dist.destroy_process_group()
+        exit_now(exit_code)
+    if exit_code:
+        sys.exit(exit_code)
 
 
 USER_ERRORS = (UserError, MisconfigurationException, ReplicaDivergenceError, WorkerLost)  # one line: what to do
@@ -259,16 +256,25 @@ def run_reporting_errors(command: Callable[[Any], object], args: Any) -> None:
 
 
 def exit_with_error(line: str) -> NoReturn:
-    """Print ``line`` on stderr and exit 1. A rank that fails while its process groups are up leaves without the
-    interpreter's finalisation: there gloo's threads can outlive what they point to and abort the process
-    ("terminate called without an active exception": exit -6, not 1, seen in CI after a full disk), and a peer
-    that failed alike, or died, may never reach the barrier that ``leave_process_group`` passes on success.
-    Lightning has already torn the trainer down (loggers finalised, callbacks told) when an error reaches here."""
+    """Print ``line`` on stderr and exit 1; a rank of a multi-process run leaves as ``exit_now`` says, and a peer
+    that failed alike, or died, may never reach the barrier that a successful run passes. Lightning has already torn
+    the trainer down (loggers finalised, callbacks told) when an error reaches here."""
     if dist.is_available() and dist.is_initialized():
-        print(line, file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(1)
+        print(line, file=sys.stderr)
+        exit_now(1)
     sys.exit(line)
+
+
+def exit_now(exit_code: int) -> NoReturn:
+    """End a rank of a multi-process run without the interpreter's finalisation. Objects that outlive the run (the
+    preemption flag's group, DTensor parameters' device mesh, the pipeline's and the parameter server's groups) keep
+    gloo's worker threads alive after ``destroy_process_group``; finalisation would tear the interpreter down under
+    them and abort the process ("terminate called without an active exception", exit -6) after a run that succeeded
+    or failed cleanly (seen after a resumed PowerSGD run, and after a full disk)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(exit_code)
 
 
 def user_error_within(error: BaseException) -> BaseException | None:
