@@ -14,6 +14,10 @@ GPT (models/gpt.py) is GPT-2:
     lm_head (tied to wte)            lm_head, tied to wte by tie_word_embeddings: not stored
 
 GPT-2's projections are ``Conv1D`` modules, whose weight is stored transposed: (in_features, out_features).
+
+BERT (models/bert.py) is BertForMaskedLM, module by module as BERT_NAMES lists; the decoder's bias is stored as
+``cls.predictions.bias`` and its weight, tied to the token embedding, not at all.
+
 Pure tensor code; writing the files and reading the checkpoint are app/tools/export.py's.
 """
 
@@ -24,11 +28,29 @@ from typing import Any
 import torch
 
 from core.errors import UserError
+from core.tokens import SpecialTokens
+from models.bert import BERT, BertConfig
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
 
 # Cohort's Linear layers inside a block, by their GPT-2 Conv1D names
 PROJECTIONS = {"attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
+# Cohort BERT module -> BertForMaskedLM module; {i} is a block's index
+BERT_NAMES = {
+    "token_embedding": "bert.embeddings.word_embeddings", "position_embedding": "bert.embeddings.position_embeddings",
+    "token_type_embedding": "bert.embeddings.token_type_embeddings", "ln_embedding": "bert.embeddings.LayerNorm",
+    "blocks.{i}.attn.query": "bert.encoder.layer.{i}.attention.self.query",
+    "blocks.{i}.attn.key": "bert.encoder.layer.{i}.attention.self.key",
+    "blocks.{i}.attn.value": "bert.encoder.layer.{i}.attention.self.value",
+    "blocks.{i}.attn.proj": "bert.encoder.layer.{i}.attention.output.dense",
+    "blocks.{i}.ln_1": "bert.encoder.layer.{i}.attention.output.LayerNorm",
+    "blocks.{i}.mlp.fc": "bert.encoder.layer.{i}.intermediate.dense",
+    "blocks.{i}.mlp.proj": "bert.encoder.layer.{i}.output.dense",
+    "blocks.{i}.ln_2": "bert.encoder.layer.{i}.output.LayerNorm",
+    "head.dense": "cls.predictions.transform.dense", "head.ln": "cls.predictions.transform.LayerNorm",
+    "head.decoder": "cls.predictions.decoder",
+}
+TIED_BERT_DECODER = "head.decoder.weight"  # the token embedding's weight, by a second name
 
 
 def llama_huggingface_name(name: str, config: LlamaConfig) -> str:
@@ -133,6 +155,45 @@ def huggingface_gpt2_state_dict(state_dict: dict[str, torch.Tensor], config: GPT
     return {name: tensor.detach().contiguous() for name, tensor in converted.items()}
 
 
+def bert_huggingface_name(name: str) -> str:
+    """The BertForMaskedLM tensor that holds Cohort BERT parameter ``name``."""
+    if name == "head.decoder.bias":
+        return "cls.predictions.bias"
+    module, kind = name.rsplit(".", 1)
+    index = module.split(".")[1] if module.startswith("blocks.") else ""
+    return f"{BERT_NAMES[module.replace(f'blocks.{index}.', 'blocks.{i}.', 1)].format(i=index)}.{kind}"
+
+
+def huggingface_bert_config(config: BertConfig, special_tokens: SpecialTokens) -> dict[str, Any]:
+    """The ``config.json`` with which ``BertForMaskedLM`` computes what Cohort's BERT of ``config`` computes."""
+    return {
+        "model_type": "bert",
+        "architectures": ["BertForMaskedLM"],
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "hidden_size": config.n_embd,
+        "intermediate_size": config.intermediate_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "type_vocab_size": config.type_vocab_size,
+        "hidden_act": "gelu",  # the exact (erf) GELU, as models/bert.py's
+        "layer_norm_eps": config.layer_norm_eps,
+        "hidden_dropout_prob": config.dropout,
+        "attention_probs_dropout_prob": config.dropout,
+        "position_embedding_type": "absolute",
+        "tie_word_embeddings": True,
+        "pad_token_id": special_tokens.pad,  # the run's [PAD], whose embedding BertEmbeddings keeps out of training
+    }
+
+
+def huggingface_bert_state_dict(state_dict: dict[str, torch.Tensor], config: BertConfig) -> dict[str, torch.Tensor]:
+    """Cohort BERT weights (``BERT.state_dict()`` names) as BertForMaskedLM's, each contiguous; the decoder's tied
+    weight left out, as ``save_pretrained`` leaves it out. A UserError if they are not a BERT of ``config``."""
+    check_weights_fit(state_dict, config)
+    return {bert_huggingface_name(name): tensor.detach().contiguous() for name, tensor in state_dict.items()
+            if name != TIED_BERT_DECODER}
+
+
 def qkv_by_kind(qkv: torch.Tensor, n_head: int) -> torch.Tensor:
     """The fused qkv projection's output rows (its weight's dim 0, or its bias) reordered from Cohort's head by head
     layout, (q, k, v) within each head, to GPT-2's: q of every head, then k, then v."""
@@ -152,10 +213,11 @@ def check_is_gpt2(config: GPTConfig) -> None:
                         "only a model with bias=True exports as GPT-2")
 
 
-def check_weights_fit(state_dict: dict[str, torch.Tensor], config: GPTConfig | LlamaConfig) -> None:
-    """A UserError unless ``state_dict`` holds exactly the weights of a Cohort GPT or Llama of ``config``, in their
-    shapes."""
-    family, network_class = ("Llama", Llama) if isinstance(config, LlamaConfig) else ("GPT", GPT)
+def check_weights_fit(state_dict: dict[str, torch.Tensor], config: GPTConfig | LlamaConfig | BertConfig) -> None:
+    """A UserError unless ``state_dict`` holds exactly the weights of a Cohort GPT, Llama or BERT of ``config``, in
+    their shapes."""
+    family, network_class = {LlamaConfig: ("Llama", Llama), GPTConfig: ("GPT", GPT), BertConfig: ("BERT", BERT)}[
+        type(config)]
     with torch.device("meta"):  # shapes only: nothing is allocated
         expected = {name: tensor.shape for name, tensor in network_class(config).state_dict().items()}
     found = {name: tensor.shape for name, tensor in state_dict.items()}

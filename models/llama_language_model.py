@@ -56,7 +56,7 @@ class LlamaLanguageModel(CausalLanguageModel):
         """
         super().__init__(optimizer, max_new_tokens, temperature, top_k)
         self.save_hyperparameters()
-        self.config = llama_config(model_name, vocab_size=vocab_size)
+        self.config = self.named_config(model_name, vocab_size)
 
     @classmethod
     def named_config(cls, model_name: str, vocab_size: int | None) -> LlamaConfig:

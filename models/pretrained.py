@@ -10,8 +10,8 @@ tensor parallelism or a pipeline.
     family   Hugging Face class      names
     Llama    LlamaForCausalLM        Cohort's = Hugging Face's without ``model.`` (models/llama.py)
     GPT      GPT2LMHeadModel         models/huggingface.py's table, Conv1D weights transposed, qkv head by head
-    BERT     BertForMaskedLM         BERT_NAMES below; a pretraining checkpoint's pooler and next-sentence head,
-                                     which Cohort's masked-LM BERT has not got, are left unread
+    BERT     BertForMaskedLM         models/huggingface.py's BERT_NAMES; a pretraining checkpoint's pooler and
+                                     next-sentence head, which Cohort's masked-LM BERT has not got, are left unread
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from safetensors import safe_open
 from core.errors import UserError
 from models.bert import BERT, BertConfig
 from models.gpt import GPT, GPTConfig
-from models.huggingface import PROJECTIONS, llama_huggingface_name, qkv_by_head
+from models.huggingface import PROJECTIONS, bert_huggingface_name, llama_huggingface_name, qkv_by_head
 from models.llama import Llama, LlamaConfig
 
 WEIGHTS_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
@@ -36,21 +36,6 @@ WEIGHTS_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 # ids) or not this model's (BERT's pooler and next-sentence head, from its pretraining)
 NOT_WEIGHTS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias", "embeddings.position_ids")
 NOT_THIS_MODEL = ("bert.pooler.", "cls.seq_relationship.")
-# Cohort BERT module -> BertForMaskedLM module (models/bert.py); {i} is a block's index
-BERT_NAMES = {
-    "token_embedding": "bert.embeddings.word_embeddings", "position_embedding": "bert.embeddings.position_embeddings",
-    "token_type_embedding": "bert.embeddings.token_type_embeddings", "ln_embedding": "bert.embeddings.LayerNorm",
-    "blocks.{i}.attn.query": "bert.encoder.layer.{i}.attention.self.query",
-    "blocks.{i}.attn.key": "bert.encoder.layer.{i}.attention.self.key",
-    "blocks.{i}.attn.value": "bert.encoder.layer.{i}.attention.self.value",
-    "blocks.{i}.attn.proj": "bert.encoder.layer.{i}.attention.output.dense",
-    "blocks.{i}.ln_1": "bert.encoder.layer.{i}.attention.output.LayerNorm",
-    "blocks.{i}.mlp.fc": "bert.encoder.layer.{i}.intermediate.dense",
-    "blocks.{i}.mlp.proj": "bert.encoder.layer.{i}.output.dense",
-    "blocks.{i}.ln_2": "bert.encoder.layer.{i}.output.LayerNorm",
-    "head.dense": "cls.predictions.transform.dense", "head.ln": "cls.predictions.transform.LayerNorm",
-    "head.decoder": "cls.predictions.decoder",
-}
 # where a Cohort parameter is read from: the folder's tensor, and what turns it into Cohort's layout
 Source = tuple[str, Callable[[torch.Tensor], torch.Tensor]]
 
@@ -191,13 +176,10 @@ def gpt2_source(name: str, config: GPTConfig, prefix: str) -> Source:
 
 
 def bert_source(name: str, files: dict[str, Path]) -> Source:
-    """The BertForMaskedLM tensor a Cohort BERT parameter is read from: by BERT_NAMES, the decoder's bias as
-    ``cls.predictions.bias``, and a LayerNorm's gamma and beta where older files name its weight and bias so."""
-    module, kind = name.rsplit(".", 1)
-    index = module.split(".")[1] if module.startswith("blocks.") else ""
-    source = f"{BERT_NAMES[module.replace(f'blocks.{index}.', 'blocks.{i}.', 1)].format(i=index)}.{kind}"
-    if name == "head.decoder.bias":
-        source = "cls.predictions.bias"
+    """The BertForMaskedLM tensor a Cohort BERT parameter is read from (models/huggingface.py's names), or a
+    LayerNorm's gamma and beta where older files name its weight and bias so."""
+    source = bert_huggingface_name(name)
+    kind = name.rsplit(".", 1)[1]
     older = source.removesuffix(kind) + {"weight": "gamma", "bias": "beta"}[kind]
     if "LayerNorm" in source and source not in files and older in files:
         source = older

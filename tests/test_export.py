@@ -86,7 +86,7 @@ def test_export_writes_gpt2_weights_that_compute_cohorts_logits(checkpoint: Path
     out.mkdir()  # an empty folder is taken, as if new
     export(checkpoint, out, monkeypatch)
     printed = capsys.readouterr().out
-    assert f"wrote {out}: GPT-2 with 2 layers x 2 heads, width 32, context 64, vocabulary 256, at step 3" in printed
+    assert f"wrote {out}: GPT2LMHeadModel with 2 layers x 2 heads, width 32, vocabulary 256, at step 3" in printed
     assert "no tokenizer was written: this model reads UTF-8 bytes" in printed
     assert sorted(path.name for path in tmp_path.iterdir()) == ["hf", "last.ckpt"]  # no partial left beside it
     assert sorted(path.name for path in out.iterdir()) == ["config.json", "model.safetensors"]
@@ -137,10 +137,13 @@ def test_export_names_a_missing_checkpoint_in_one_line(tmp_path: Path, monkeypat
 
 
 @pytest.mark.parametrize("change, expected", [
-    ({"hyper_parameters": {}}, "is not a checkpoint of a Cohort GPT or Llama (no model_name among its hyperparameters)"),
+    ({"hyper_parameters": {}},
+     "is not a checkpoint of a Cohort GPT, Llama or BERT (no model_name among its hyperparameters)"),
     ({"hyper_parameters": {"model_name": "small", "vocab_size": 256}},
      "the weights are not those of a Cohort GPT of 4 layers, width 128, vocabulary 256 (missing ['blocks.2.attn"),
-], ids=["no-model-name", "another-size"])
+    ({"cohort_model_class": "models.image_classifier.ImageClassifier"},
+     "holds a model of the family ImageClassifier, and cohort export writes GPT, Llama and BERT folders only"),
+], ids=["no-model-name", "another-size", "another-family"])
 def test_export_refuses_what_is_not_a_cohort_gpt_checkpoint_in_one_line(
     change: dict[str, Any], expected: str, checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

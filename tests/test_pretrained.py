@@ -1,31 +1,36 @@
 """Starting from pretrained weights (models/pretrained.py): a Hugging Face folder's tensors load into Cohort's
 networks exactly, into every rank's slice under FSDP2, tensor parallelism and the pipeline; a folder that is not
-the named size's, or not safetensors, is refused in one line before anything is built. Where transformers is
-installed, folders that LlamaForCausalLM, GPT2LMHeadModel and BertForMaskedLM save give Cohort the logits
-transformers computes, and a Llama imported, trained and exported loads back in transformers."""
+the named size's, or not safetensors, is refused in one line before anything is built. Folders that
+LlamaForCausalLM, GPT2LMHeadModel and BertForMaskedLM saved give Cohort the logits transformers computes, and each
+family imported, trained and exported writes what transformers saved, holding the trained weights: against the
+folders and logits saved in tests/data/huggingface/ without transformers, and against transformers itself where it
+is installed."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from app.__main__ import main
 from core.errors import UserError
 from models.bert import BERT, BERT_CONFIGS
-from models.gpt import GPT_CONFIGS
 from models.language_model import GPTLanguageModel
 from models.llama import LLAMA_CONFIGS, Llama
 from models.llama_language_model import LlamaLanguageModel
 from models.masked_language_model import BertMaskedLanguageModel
 from models.pretrained import HuggingFaceFolder, bert_source, check_pretrained
 from tests.helpers import (
-    COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_comparable_runs_agree, batch_sizes, fit, last_checkpoint,
-    last_checkpoint_contents, one_line_error, scalars,
+    COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_comparable_runs_agree, batch_sizes, fit, fit_in_process,
+    last_checkpoint, last_checkpoint_contents, one_line_error, scalars,
 )
+from tests.huggingface_references import reference_models, reference_tokens, saved_reference
 
 DEBUG = LLAMA_CONFIGS["debug"]
 # config.json of a LlamaForCausalLM of the debug size, as save_pretrained writes it (transformers 4 and 5 alike)
@@ -186,59 +191,125 @@ def test_an_imported_llama_trains_under_every_layout_as_one_process_does(importe
         scalars(imported_runs["one process"], "val/loss")[0], rel=1e-3)
 
 
+FAMILIES = {  # a family built from a Hugging Face folder of the test size
+    "llama": lambda folder: LlamaLanguageModel("debug", init_from=str(folder)),
+    "gpt2": lambda folder: GPTLanguageModel("debug", init_from=str(folder)),
+    "bert": lambda folder: BertMaskedLanguageModel("bert-tiny", vocab_size=256, init_from=str(folder)),
+}
+# float32 rounding of logits about 0.5 in size, summed in another order: about 1e-7 each
+LOGITS_AGREE = 1e-5
+
+
 def test_hugging_face_folders_give_the_logits_transformers_computes(tmp_path: Path) -> None:
-    """LlamaForCausalLM, GPT2LMHeadModel and BertForMaskedLM of the test sizes, random weights, saved with
-    save_pretrained (no download): the families built from the folders compute transformers' logits within float32
-    rounding (1e-5; GPT-2's qkv rows are reordered head by head and its Conv1D weights transposed on the way in)."""
+    """LlamaForCausalLM, GPT2LMHeadModel and BertForMaskedLM of the test sizes, random weights, saved by the installed
+    transformers (no download): the families built from the folders compute transformers' logits within float32
+    rounding (GPT-2's qkv rows are reordered head by head and its Conv1D weights transposed on the way in)."""
     transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[hf]'")
-    torch.manual_seed(0)
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
-        key: value for key, value in DEBUG_CONFIG_JSON.items() if key not in ("model_type", "architectures")}))
-    gpt = GPT_CONFIGS["debug"]
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=gpt.n_layer, n_head=gpt.n_head, n_embd=gpt.n_embd, n_positions=gpt.block_size,
-        vocab_size=gpt.vocab_size))
-    bert_tiny = BERT_CONFIGS["bert-tiny"]
-    bert = transformers.BertForMaskedLM(transformers.BertConfig(
-        num_hidden_layers=bert_tiny.n_layer, num_attention_heads=bert_tiny.n_head, hidden_size=bert_tiny.n_embd,
-        intermediate_size=bert_tiny.intermediate_size, max_position_embeddings=bert_tiny.max_position_embeddings,
-        vocab_size=bert_tiny.vocab_size))
-    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
-    for name, reference, family in (
-            ("llama", llama, lambda folder: LlamaLanguageModel("debug", init_from=folder)),
-            ("gpt2", gpt2, lambda folder: GPTLanguageModel("debug", init_from=folder)),
-            ("bert", bert, lambda folder: BertMaskedLanguageModel("bert-tiny", vocab_size=256, init_from=folder))):
-        reference.eval().save_pretrained(tmp_path / name)
-        network = family(str(tmp_path / name)).build().eval()
+    tokens = reference_tokens()
+    for family, reference in reference_models(transformers).items():
+        reference.eval().save_pretrained(tmp_path / family)
+        network = FAMILIES[family](tmp_path / family).build().eval()
         with torch.no_grad():
             difference = (network(tokens) - reference(input_ids=tokens).logits).abs().max()
-        assert difference < 1e-5, (name, difference)
+        assert difference < LOGITS_AGREE, (family, difference)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_saved_hugging_face_folders_give_the_logits_transformers_computed(family: str) -> None:
+    """Without transformers: the folders it saved (tests/data/huggingface/), imported, give the logits it computed
+    from them."""
+    folder, tokens, logits = saved_reference(family)
+    network = FAMILIES[family](folder).build().eval()
+    with torch.no_grad():
+        assert (network(tokens) - logits).abs().max() < LOGITS_AGREE
+
+
+def test_the_saved_logits_are_what_transformers_computes() -> None:
+    """The saved references are transformers' numbers, not stale ones: the installed transformers loads each saved
+    folder and computes the saved logits."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[hf]'")
+    for family, model_class in (("llama", "LlamaForCausalLM"), ("gpt2", "GPT2LMHeadModel"),
+                                ("bert", "BertForMaskedLM")):
+        folder, tokens, logits = saved_reference(family)
+        model = getattr(transformers, model_class).from_pretrained(folder).eval()
+        with torch.no_grad():
+            assert (model(input_ids=tokens).logits - logits).abs().max() < LOGITS_AGREE, family
+
+
+ROUND_TRIP_RECIPES = {  # each family's CPU recipe at the test size, whose network the saved folder holds
+    "llama": ["-c", str(CONFIG_DIR / "llama-small/pretrain.yaml"), "--model.model_name", "debug",
+              "--model.max_new_tokens", "0"],
+    "gpt2": ["-c", str(CONFIG_DIR / "quickstart.yaml"), "--model.model_name", "debug", "--model.max_new_tokens", "0"],
+    "bert": ["-c", str(CONFIG_DIR / "bert-small/pretrain.yaml"), "--model.model_name", "bert-tiny"],
+}
+ROUND_TRIP_STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def round_trips(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) -> Callable[[str], tuple[Path, Path]]:
+    """family -> (the run that started from its saved folder and trained ROUND_TRIP_STEPS steps, the folder cohort
+    export wrote from its last checkpoint), made the first time it is asked for."""
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(family: str) -> tuple[Path, Path]:
+        if family not in made:
+            folder, _, _ = saved_reference(family)
+            run = fit_in_process(tmp_path_factory.mktemp(f"{family}-run"), [
+                *ROUND_TRIP_RECIPES[family], "--model.init_from", str(folder), "--data.data_dir", str(byte_corpus),
+                "--data.sequence_length", "64", "--trainer.max_steps", str(ROUND_TRIP_STEPS), "--val_every_n_steps",
+                str(ROUND_TRIP_STEPS), "--trainer.limit_val_batches", "1", *batch_sizes(8, 4)])
+            exported = tmp_path_factory.mktemp(f"{family}-export") / "hf"
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                monkeypatch.setattr("sys.argv", ["cohort"])
+                main(["export", str(last_checkpoint(run)), "--out", str(exported)])
+            made[family] = run, exported
+        return made[family]
+
+    return get
+
+
+def trained_network(family: str, run: Path) -> nn.Module:
+    """The run's last weights in the family's plain network."""
+    network = FAMILIES[family](None).plain_network().eval()
+    network.load_state_dict({name.removeprefix("model."): tensor for name, tensor in
+                             last_checkpoint_contents(run)["state_dict"].items()})
+    return network
 
 
 @pytest.mark.slow
-def test_hugging_face_llama_imported_trained_and_exported_loads_in_transformers(tmp_path: Path, byte_corpus: Path,
-                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """The round trip: LlamaForCausalLM's folder -> cohort fit from it (3 steps) -> cohort export -> transformers
-    loads the export, and computes the trained Cohort network's logits within 1e-5."""
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[hf]'")
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
-        key: value for key, value in DEBUG_CONFIG_JSON.items() if key not in ("model_type", "architectures")}
-    )).save_pretrained(tmp_path / "imported")
-    run = fit(tmp_path / "run", ["-c", str(CONFIG_DIR / "llama-small/pretrain.yaml"), "--model.model_name", "debug",
-                                 "--model.init_from", str(tmp_path / "imported"), "--data.data_dir", str(byte_corpus),
-                                 "--data.sequence_length", "64", "--trainer.max_steps", "3", "--val_every_n_steps", "3",
-                                 "--trainer.limit_val_batches", "1", "--model.max_new_tokens", "0",
-                                 *batch_sizes(8, 4)])
-    monkeypatch.setattr("sys.argv", ["cohort"])
-    main(["export", str(last_checkpoint(run)), "--out", str(tmp_path / "exported")])
-    trained = Llama(DEBUG).eval()
-    trained.load_state_dict({name.removeprefix("model."): tensor for name, tensor in
-                             last_checkpoint_contents(run)["state_dict"].items()})
-    imported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "imported").eval()
-    exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "exported").eval()
-    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_imported_trained_and_exported_holds_what_transformers_saved(
+        family: str, round_trips: Callable[[str], tuple[Path, Path]]) -> None:
+    """Without transformers: a saved folder -> cohort fit from it (ROUND_TRIP_STEPS steps) -> cohort export writes
+    the tensors transformers saved, by name, shape and dtype, holding the trained weights: imported again, they
+    compute the trained network's logits exactly, which the saved folder's are not."""
+    run, exported = round_trips(family)
+    folder, tokens, imported_logits = saved_reference(family)
+    assert shapes_in(exported) == shapes_in(folder)
     with torch.no_grad():
-        logits = trained(tokens)
-        assert (exported(input_ids=tokens).logits - logits).abs().max() < 1e-5
-        assert (imported(input_ids=tokens).logits - logits).abs().max() > 1e-3  # it trained
+        logits = trained_network(family, run)(tokens)
+        assert torch.equal(FAMILIES[family](exported).build().eval()(tokens), logits)
+        assert (logits - imported_logits).abs().max() > 1e-3  # it trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_imported_trained_and_exported_loads_in_transformers(
+        family: str, round_trips: Callable[[str], tuple[Path, Path]]) -> None:
+    """The round trip's export loads in transformers with nothing missing or left over, and computes the trained
+    Cohort network's logits within float32 rounding."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[hf]'")
+    run, exported = round_trips(family)
+    _, tokens, _ = saved_reference(family)
+    loader = getattr(transformers, json.loads((exported / "config.json").read_text())["architectures"][0])
+    model, loading = loader.from_pretrained(exported, output_loading_info=True)
+    assert not any(loading[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), loading
+    with torch.no_grad():
+        assert (model.eval()(input_ids=tokens).logits - trained_network(family, run)(tokens)).abs().max() < LOGITS_AGREE
+
+
+def shapes_in(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each tensor of a folder's model.safetensors: its shape and dtype."""
+    with safe_open(folder / "model.safetensors", "pt") as tensors:
+        return {name: (tuple(tensors.get_tensor(name).shape), tensors.get_tensor(name).dtype)
+                for name in tensors.keys()}

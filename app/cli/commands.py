@@ -19,7 +19,7 @@ COMMANDS: dict[str, str] = {
     "doctor": "pre-flight checks and the memory estimate, run with the launcher and config of the job they precede",
     "comm": "collective bandwidth (all-reduce, all-gather, reduce-scatter) of the launched processes",
     "consolidate": "turn a sharded checkpoint folder into one file, for any strategy or load_from_checkpoint",
-    "export": "write a GPT or Llama checkpoint as a Hugging Face folder (--out) that transformers loads",
+    "export": "write a GPT, Llama or BERT checkpoint as a Hugging Face folder (--out) that transformers loads",
 }
 
 

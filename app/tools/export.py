@@ -1,18 +1,21 @@
-"""``cohort export``: write a checkpoint's GPT or Llama as a Hugging Face folder (config.json, model.safetensors).
+"""``cohort export``: write a checkpoint's GPT, Llama or BERT as a Hugging Face folder (config.json,
+model.safetensors).
 
     cohort export lightning_logs/version_0/checkpoints/last.ckpt --out my-gpt
     python -c "from transformers import GPT2LMHeadModel; GPT2LMHeadModel.from_pretrained('my-gpt')"
     python -c "from transformers import LlamaForCausalLM; LlamaForCausalLM.from_pretrained('my-llama')"
+    python -c "from transformers import BertForMaskedLM; BertForMaskedLM.from_pretrained('my-bert')"
 
 The checkpoint is a file or a sharded folder (read in this one process, as ``cohort consolidate`` reads it). The
-folder holds GPT-2's or LlamaForCausalLM's own parameter names and layout (models/huggingface.py), so transformers
-computes the same logits as Cohort. No tokenizer is written: Cohort's checkpoints do not say which one the data was
-prepared with.
+folder holds GPT-2's, LlamaForCausalLM's or BertForMaskedLM's own parameter names and layout
+(models/huggingface.py), so transformers computes the same logits as Cohort. No tokenizer is written: Cohort's
+checkpoints do not say which one the data was prepared with.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import shutil
 from pathlib import Path
@@ -23,16 +26,18 @@ from safetensors.torch import save_file
 
 from app.safety.checkpoints import load_checkpoint, remove_path, replace_path
 from core.errors import UserError
-from models.gpt import GPTConfig, gpt_config
+from core.tokens import BYTE_BERT_VOCAB_SIZE
 from models.huggingface import (
-    huggingface_gpt2_config, huggingface_gpt2_state_dict, huggingface_llama_config, huggingface_llama_state_dict,
+    huggingface_bert_config, huggingface_bert_state_dict, huggingface_gpt2_config, huggingface_gpt2_state_dict,
+    huggingface_llama_config, huggingface_llama_state_dict,
 )
 from models.language_model import GPTLanguageModel
-from models.llama import LlamaConfig, llama_config
 from models.llama_language_model import LlamaLanguageModel
+from models.masked_language_model import BertMaskedLanguageModel
 from models.module import class_path_of
 
 BYTE_VOCABULARY = 256  # models trained on bytes (cohort prepare without --tokenizer): token id = byte value
+EXPORTED = {class_path_of(family): family for family in (GPTLanguageModel, LlamaLanguageModel, BertMaskedLanguageModel)}
 
 
 def main(argv: list[str]) -> None:
@@ -45,41 +50,45 @@ def main(argv: list[str]) -> None:
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise UserError(f"--out {out} already exists and is not an empty folder: remove it or name another folder")
     checkpoint = load_checkpoint(args.checkpoint)
-    config = model_config(checkpoint, args.checkpoint)
-    prefix = "model."  # the families hold their network as self.model
-    weights = {name.removeprefix(prefix): tensor for name, tensor in checkpoint["state_dict"].items()
-               if name.startswith(prefix)}
-    if isinstance(config, LlamaConfig):
-        write_folder(out, huggingface_llama_state_dict(weights, config), huggingface_llama_config(config))
-        kind, loader = "Llama", "LlamaForCausalLM"
-    else:
-        write_folder(out, huggingface_gpt2_state_dict(weights, config), huggingface_gpt2_config(config))
-        kind, loader = "GPT-2", "GPT2LMHeadModel"
-    print(f"wrote {out}: {kind} with {config.n_layer} layers x {config.n_head} heads, width {config.n_embd}, context "
-          f"{config.block_size}, vocabulary {config.vocab_size}, at step {checkpoint.get('global_step', '?')}; load it "
-          f"with transformers.{loader}.from_pretrained('{out}')")
-    if config.vocab_size == BYTE_VOCABULARY:
+    weights, huggingface_config, config = huggingface_model(checkpoint, args.checkpoint)
+    write_folder(out, weights, huggingface_config)
+    loader = huggingface_config["architectures"][0]
+    print(f"wrote {out}: {loader} with {config.n_layer} layers x {config.n_head} heads, width {config.n_embd}, "
+          f"vocabulary {config.vocab_size}, at step {checkpoint.get('global_step', '?')}; load it with "
+          f"transformers.{loader}.from_pretrained('{out}')")
+    if config.vocab_size in (BYTE_VOCABULARY, BYTE_BERT_VOCAB_SIZE):
         print("no tokenizer was written: this model reads UTF-8 bytes (token id = byte value, "
               "list(text.encode())), which no Hugging Face tokenizer encodes as is")
     else:
         print(f"no tokenizer was written: copy the tokenizer.json its data was prepared with into {out}")
 
 
-def model_config(checkpoint: dict[str, Any], path: Path) -> GPTConfig | LlamaConfig:
-    """The network's shape, from the hyperparameters its family saved in the checkpoint."""
+def huggingface_model(checkpoint: dict[str, Any], path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Any]:
+    """The checkpoint's network as a transformers model's weights and config.json, and as Cohort's config. Its
+    shape is what the family makes of the hyperparameters it saved (the family is built, its network is not: the
+    weights are the checkpoint's)."""
     saved = checkpoint.get("hyper_parameters", {})
     family = checkpoint.get("cohort_model_class", class_path_of(GPTLanguageModel))  # older checkpoints: GPTs only
-    exported = (class_path_of(GPTLanguageModel), class_path_of(LlamaLanguageModel))
-    if family not in exported:
-        raise UserError(f"{path} holds a {family.rsplit('.', 1)[-1]}, and cohort export writes GPT and Llama "
-                        "folders only: pass a checkpoint of a GPT or Llama run")
+    if family not in EXPORTED:
+        raise UserError(f"{path} holds a model of the family {family.rsplit('.', 1)[-1]}, and cohort export writes "
+                        "GPT, Llama and BERT folders only: pass a checkpoint of a GPT, Llama or BERT run")
     if "model_name" not in saved:
-        raise UserError(f"{path} is not a checkpoint of a Cohort GPT or Llama (no model_name among its "
+        raise UserError(f"{path} is not a checkpoint of a Cohort GPT, Llama or BERT (no model_name among its "
                         "hyperparameters): pass one cohort fit wrote, e.g. "
                         "lightning_logs/version_0/checkpoints/last.ckpt")
-    if family == class_path_of(LlamaLanguageModel):
-        return llama_config(saved["model_name"], vocab_size=saved.get("vocab_size"))
-    return gpt_config(saved["model_name"], vocab_size=saved.get("vocab_size"), dropout=saved.get("dropout"))
+    family_class = EXPORTED[family]
+    arguments = inspect.signature(family_class).parameters  # the saved hyperparameters hold the CLI's _class_path too
+    model = family_class(**{key: value for key, value in saved.items() if key in arguments and key != "init_from"})
+    prefix = "model."  # the families hold their network as self.model
+    weights = {name.removeprefix(prefix): tensor for name, tensor in checkpoint["state_dict"].items()
+               if name.startswith(prefix)}
+    config = model.config
+    if isinstance(model, LlamaLanguageModel):
+        return huggingface_llama_state_dict(weights, config), huggingface_llama_config(config), config
+    if isinstance(model, BertMaskedLanguageModel):
+        return (huggingface_bert_state_dict(weights, config), huggingface_bert_config(config, model.special_tokens),
+                config)
+    return huggingface_gpt2_state_dict(weights, config), huggingface_gpt2_config(config), config
 
 
 def write_folder(out: Path, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
