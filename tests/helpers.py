@@ -1,4 +1,5 @@
-"""Test-only callbacks (loaded by the CLI in subprocesses as ``tests.helpers.X``) and a runner for ``cohort``.
+"""Test-only callbacks (loaded by the CLI in subprocesses as ``tests.helpers.X``) and what the tests share: run
+arguments, runs, and readers and checks of their results.
 
 No ``from __future__ import annotations`` here: DDP checks the comm hook's annotations as real types.
 """
@@ -11,7 +12,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor
 
 from app.__main__ import main
 from app.safety.checkpoints import consolidate
+from tests.processes import REPO_ROOT, run_cohort
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"
 QUICKSTART = ["-c", str(CONFIG_DIR / "quickstart.yaml")]
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
@@ -71,24 +71,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def run_cohort(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``python -m app ARGS`` in its own process group, as a user would from ``cwd``. A run still going after
-    ``timeout`` seconds hangs: it is killed with every rank it started, and subprocess.TimeoutExpired fails the
-    test."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "app", *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,  # so a test can SIGKILL the run and every rank it started, as a node dies
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # the ranks too, not only the launcher subprocess.run would kill
-        process.communicate()
-        raise
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def run_folders(cwd: Path) -> list[Path]:
