@@ -64,7 +64,7 @@ def main() -> None:
                               global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                               sequence_length=1, precision=PRECISIONS["32-true"], seed=DEFAULT_SEED, unit="images")
     assert digits.train_set is not None
-    images = digits.train_set.scaled(list(range(len(digits.train_set))))  # (N, 1, 8, 8) in [0, 1]
+    images = digits.train_set.scaled(torch.arange(len(digits.train_set)))  # (N, 1, 8, 8) in [0, 1]
     micro_batches = images[: len(images) // args.micro_batch_size * args.micro_batch_size].split(args.micro_batch_size)
 
     per_sample = module_at(args.per_sample_commit, "datamodules/augmentation.py")

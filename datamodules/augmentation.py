@@ -22,6 +22,8 @@ in from outside are black, the background of the digits.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 
 from core.seeding import derive_seed
 
-DRAWS_PER_IMAGE = 6  # uniforms in [0, 1): crop top, crop left, angle, shift x, shift y, flip
+DRAWS_PER_IMAGE = 6  # uniforms in [0, 1): crop x, crop y, angle, shift x, shift y, flip
 
 
 @dataclass(frozen=True)
@@ -58,27 +60,43 @@ def draw_augmentations(generator: torch.Generator, count: int) -> torch.Tensor:
 
 def augment_images(images: torch.Tensor, draws: torch.Tensor, augmentation: Augmentation) -> torch.Tensor:
     """(B, C, H, W) images, image i randomly cropped, rotated, shifted and flipped by its row ``draws[i]`` as
-    ``augmentation`` says."""
+    ``augmentation`` says: one grid_sample moves every image, then the flip mirrors some."""
     if not augmentation.enabled:
         return images
-    B, C, H, W = images.shape
-    crop_top, crop_left, angle, shift_x, shift_y, flip = draws.to(images.device).unbind(1)  # each (B,)
-    pad = augmentation.crop_padding
-    if pad > 0:
-        windows = F.pad(images, (pad, pad, pad, pad)).unfold(2, H, 1).unfold(3, W, 1)  # (B, C, 2p+1, 2p+1, H, W)
-        top, left = (crop_top * (2 * pad + 1)).long(), (crop_left * (2 * pad + 1)).long()  # each in [0, 2 * pad]
-        images = windows[torch.arange(B, device=images.device), :, top, left]  # (B, C, H, W)
-    if augmentation.rotation_degrees or augmentation.translate_fraction:
-        radians = torch.deg2rad((2 * angle - 1) * augmentation.rotation_degrees)
-        cos, sin = radians.cos(), radians.sin()
-        # affine_grid works in coordinates that span [-1, 1] on each axis, so a size fraction t is a shift of 2t, and
-        # a rotation of the pixel grid is scaled by the aspect ratio (which is 1 for square images)
-        shift = 2 * augmentation.translate_fraction
-        tx, ty = (2 * shift_x - 1) * shift, (2 * shift_y - 1) * shift
-        theta = torch.stack([torch.stack([cos, -sin * H / W, tx], dim=1),
-                             torch.stack([sin * W / H, cos, ty], dim=1)], dim=1).to(images.dtype)  # (B, 2, 3)
-        grid = F.affine_grid(theta, [B, C, H, W], align_corners=False)  # (B, H, W, 2): where each pixel reads
+    B = len(images)
+    draws = draws.to(images.device)  # (B, DRAWS_PER_IMAGE)
+    if augmentation.crop_padding or augmentation.rotation_degrees or augmentation.translate_fraction:
+        grid = sampling_grid(draws, augmentation, *images.shape[2:]).to(images.dtype)
         images = F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
     if augmentation.horizontal_flip:
-        images = torch.where((flip < 0.5).view(B, 1, 1, 1), images.flip(-1), images)
+        images = torch.where((draws[:, 5] < 0.5).view(B, 1, 1, 1), images.flip(-1), images)
     return images
+
+
+def sampling_grid(draws: torch.Tensor, augmentation: Augmentation, height: int, width: int) -> torch.Tensor:
+    """(B, H, W, 2) where each output pixel of each image reads, in grid_sample's coordinates (x, y), which span
+    [-1, 1] on each axis: rotated about the centre by the image's angle, then shifted by its fraction of the size and
+    by its crop. F.affine_grid's result, in elementwise ops on a pixel grid built once per size: affine_grid builds its
+    own on every call, and a batch of 2x3 matrix products is slow on a CPU (together most of a digits micro-batch's
+    augmentation)."""
+    B, pad = len(draws), augmentation.crop_padding
+    # a random crop (pad with zeros, cut a window of the old size) is a shift by whole pixels in [-pad, pad]
+    crop_pixels = (draws[:, :2] * (2 * pad + 1)).floor() - pad  # (B, 2): x, y
+    largest = torch.tensor([math.radians(augmentation.rotation_degrees), *[2 * augmentation.translate_fraction] * 2],
+                           device=draws.device)  # a shift by a fraction t of the size is 2t in these coordinates
+    angle_and_shift = torch.addcmul(-largest, draws[:, 2:5], 2 * largest)  # (B, 3): each uniform in [-largest, largest]
+    pixel = torch.tensor([2 / width, 2 / height], device=draws.device)
+    shift = torch.addcmul(angle_and_shift[:, 1:], crop_pixels, pixel).view(B, 1, 1, 2)
+    cos, sin = angle_and_shift[:, 0].cos(), angle_and_shift[:, 0].sin()
+    # a rotation of the pixel grid is scaled by the aspect ratio (which is 1 for square images)
+    reads_per_x = torch.stack([cos, sin * (width / height)], dim=1).view(B, 1, 1, 2)
+    reads_per_y = torch.stack([-sin * (height / width), cos], dim=1).view(B, 1, 1, 2)
+    x, y = pixel_centres(height, width, draws.device)  # each (1, H, W, 1)
+    return torch.addcmul(torch.addcmul(shift, x, reads_per_x), y, reads_per_y)
+
+
+@functools.cache
+def pixel_centres(height: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each pixel's centre x and y in grid_sample's [-1, 1] coordinates (align_corners=False), each (1, H, W, 1)."""
+    grid = F.affine_grid(torch.eye(2, 3, device=device)[None], [1, 1, height, width], align_corners=False)
+    return grid[..., 0:1], grid[..., 1:2]

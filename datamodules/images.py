@@ -65,8 +65,8 @@ class NormalisedImages(Dataset):
     def __len__(self) -> int:
         return len(self.images.labels)
 
-    def scaled(self, index: int | list[int]) -> torch.Tensor:
-        """Image ``index`` as (C, H, W) floats in [0, 1]; a list of indices gives (B, C, H, W)."""
+    def scaled(self, index: int | torch.Tensor) -> torch.Tensor:
+        """Image ``index`` as (C, H, W) floats in [0, 1]; a tensor of B indices gives (B, C, H, W)."""
         return self.images.pixels[index].float() / self.images.max_value
 
     def normalise(self, image: torch.Tensor) -> torch.Tensor:
@@ -89,22 +89,29 @@ class AugmentedImages(Dataset):
     def __len__(self) -> int:
         return len(self.images)
 
-    def __getitems__(self, micro_batch: list[SampleAt]) -> list[tuple[torch.Tensor, int]]:
-        """The micro-batch's (normalised image, label) pairs, which the DataLoader's collate stacks."""
+    def __getitems__(self, micro_batch: list[SampleAt]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch's (B, C, H, W) normalised images and (B,) labels: the DataLoader's whole batch
+        (``already_collated``)."""
         first = micro_batch[0]
         located = [(at.step, at.place) for at in micro_batch]
         if located != [(first.step, first.place + i) for i in range(len(micro_batch))]:
             raise ValueError("a micro-batch must be consecutive places of one step's global batch, as LocatedSampler "
                              f"hands them out in micro_batch_size groups; got (step, place) {located}")
-        indices = [at.index for at in micro_batch]
+        indices = torch.tensor([at.index for at in micro_batch])  # once: torch converts a list on every indexing
         generator = torch.Generator().manual_seed(augmentation_seed(self.seed, first.step, first.place))
         images = augment_images(self.images.scaled(indices), draw_augmentations(generator, len(indices)),
                                 self.augmentation)
-        return list(zip(self.images.normalise(images).unbind(), self.images.images.labels[indices].tolist()))
+        return self.images.normalise(images), self.images.images.labels[indices]
+
+
+def already_collated(micro_batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training loader's collate: AugmentedImages hands over whole micro-batches."""
+    return micro_batch
 
 
 class ImageClassificationDataModule(ShardedDataModule):
     unit = "images"  # what the progress line and the monitor count per second
+    training_collate = staticmethod(already_collated)
     def __init__(
         self,
         data_dir: str | None = None,

@@ -60,8 +60,8 @@ def augment(images: torch.Tensor, seed: int, augmentation: Augmentation) -> torc
 
 
 def augmented(dataset: AugmentedImages, micro_batch: list[SampleAt]) -> torch.Tensor:
-    """The micro-batch's images as the training loader hands them over, stacked to (B, C, H, W)."""
-    return torch.stack([image for image, _ in dataset.__getitems__(micro_batch)])
+    """The micro-batch's (B, C, H, W) images as the training loader hands them over."""
+    return dataset.__getitems__(micro_batch)[0]
 
 
 # the data
@@ -288,6 +288,17 @@ def test_a_resumed_run_augments_its_step_as_the_first_run_did(digits: ImageClass
         assert torch.equal(images, resumed_images) and torch.equal(labels, resumed_labels)
 
 
+def test_loader_worker_processes_hand_over_the_same_micro_batches() -> None:
+    plan = data_parallel_plan(1, micro=32)
+    streams = []
+    for num_workers in (0, 1):
+        datamodule = ImageClassificationDataModule(global_batch_size=64, micro_batch_size=32, num_workers=num_workers)
+        datamodule.setup("fit")
+        streams.append(list(step_batches(datamodule, plan, 0, start_step=3))[:4])
+    for (images, labels), (worker_images, worker_labels) in zip(*streams, strict=True):
+        assert torch.equal(images, worker_images) and torch.equal(labels, worker_labels)
+
+
 def test_another_step_epoch_place_or_seed_augments_the_same_sample_differently(
         digits: ImageClassificationDataModule) -> None:
     def sample_0_at(step: int, place: int, seed: int = SEED) -> torch.Tensor:
@@ -313,7 +324,7 @@ def test_validation_is_not_augmented(digits: ImageClassificationDataModule) -> N
     digits.run_plan = data_parallel_plan(1)
     digits.trainer = SimpleNamespace(global_rank=0, limit_val_batches=1.0, limit_test_batches=1.0)
     images, labels = next(iter(digits.val_dataloader()))  # validation images 0 to 15
-    assert torch.equal(images, digits.val_set.normalise(digits.val_set.scaled(list(range(16)))))
+    assert torch.equal(images, digits.val_set.normalise(digits.val_set.scaled(torch.arange(16))))
     assert torch.equal(labels, digits.val_set.images.labels[:16])
 
 
@@ -350,8 +361,11 @@ def test_the_random_crop_is_a_shift_by_at_most_the_padding_filled_with_zeros() -
     image = torch.rand(1, 8, 8) + 0.1  # no zeros of its own
     shifts = set()
     for cropped in augment(image.expand(40, 1, 8, 8), SEED, Augmentation(crop_padding=2)):
+        # grid_sample shifts by a whole pixel up to float32 rounding of its coordinates (~1e-6 of a pixel), which
+        # mixes in that much of a neighbour; neighbours differ by at most 1
         matches = [(dy, dx) for dy in range(-2, 3) for dx in range(-2, 3)
-                   if torch.equal(cropped, F.pad(image, (2, 2, 2, 2))[:, 2 + dy : 10 + dy, 2 + dx : 10 + dx])]
+                   if torch.allclose(cropped, F.pad(image, (2, 2, 2, 2))[:, 2 + dy : 10 + dy, 2 + dx : 10 + dx],
+                                     rtol=0, atol=1e-5)]
         assert len(matches) == 1
         shifts.add(matches[0])
     assert len(shifts) > 15  # most of the 25 shifts occur
@@ -363,6 +377,28 @@ def test_flipping_mirrors_about_half_the_images_and_only_when_enabled() -> None:
     mirrored = [torch.equal(one, image.flip(-1)) for one in flipped]
     assert 10 <= sum(mirrored) <= 30 and all(m or torch.equal(one, image) for m, one in zip(mirrored, flipped))
     assert not ImageClassificationDataModule().augmentation.horizontal_flip  # off for digits: a mirrored 2 is no 2
+
+
+def test_draws_at_the_ends_of_their_ranges_turn_a_quarter_and_shift_by_whole_pixels() -> None:
+    image = torch.rand(1, 1, 8, 8) + 0.1  # no zeros of its own
+
+    def moved(augmentation: Augmentation, crop_x: float = 0.5, crop_y: float = 0.5, angle: float = 0.5,
+              shift_x: float = 0.5, shift_y: float = 0.5) -> torch.Tensor:
+        return augment_images(image, torch.tensor([[crop_x, crop_y, angle, shift_x, shift_y, 1.0]]), augmentation)[0]
+
+    def close(augmented_image: torch.Tensor, expected: torch.Tensor) -> bool:
+        # grid_sample's coordinates are off whole pixels by float32 rounding (~1e-6 of a pixel), which mixes in that
+        # much of a neighbour; neighbours differ by at most 1
+        return torch.allclose(augmented_image, expected, rtol=0, atol=1e-5)
+
+    def window(dy: int, dx: int) -> torch.Tensor:  # pixel (i, j) is the image's (i + dy, j + dx), zeros outside
+        return F.pad(image[0], (2, 2, 2, 2))[:, 2 + dy : 10 + dy, 2 + dx : 10 + dx]
+
+    quarter_turns = [torch.rot90(image[0], k, dims=(1, 2)) for k in (1, -1)]  # not a mirror image or a shear
+    assert any(close(moved(Augmentation(rotation_degrees=90.0), angle=1.0), turned) for turned in quarter_turns)
+    assert close(moved(Augmentation(translate_fraction=0.25), shift_x=1.0), window(0, 2))  # 0.25 of 8 pixels
+    assert close(moved(Augmentation(translate_fraction=0.25), shift_y=0.0), window(-2, 0))
+    assert close(moved(Augmentation(crop_padding=2), crop_x=0.999, crop_y=0.0), window(-2, 2))
 
 
 def test_rotation_and_translation_move_the_image_but_keep_it_on_the_grid() -> None:
