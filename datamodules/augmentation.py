@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -76,27 +77,36 @@ def augment_images(images: torch.Tensor, draws: torch.Tensor, augmentation: Augm
 def sampling_grid(draws: torch.Tensor, augmentation: Augmentation, height: int, width: int) -> torch.Tensor:
     """(B, H, W, 2) where each output pixel of each image reads, in grid_sample's coordinates (x, y), which span
     [-1, 1] on each axis: rotated about the centre by the image's angle, then shifted by its fraction of the size and
-    by its crop. F.affine_grid's result, in elementwise ops on a pixel grid built once per size: affine_grid builds its
-    own on every call, and a batch of 2x3 matrix products is slow on a CPU (together most of a digits micro-batch's
-    augmentation)."""
-    B, pad = len(draws), augmentation.crop_padding
+    by its crop. F.affine_grid's result, in a few elementwise ops on constants built once per size: affine_grid builds
+    its pixel grid on every call, and a batch of 2x3 matrix products is slow on a CPU (on 8x8 digits, the count of
+    small ops is the cost)."""
+    B, constants = len(draws), grid_constants(augmentation, height, width, draws.device)
+    crop, angle, shift = torch.addcmul(constants.low, draws[:, :5], constants.span).split([2, 1, 2], dim=1)
     # a random crop (pad with zeros, cut a window of the old size) is a shift by whole pixels in [-pad, pad]
-    crop_pixels = (draws[:, :2] * (2 * pad + 1)).floor() - pad  # (B, 2): x, y
-    largest = torch.tensor([math.radians(augmentation.rotation_degrees), *[2 * augmentation.translate_fraction] * 2],
-                           device=draws.device)  # a shift by a fraction t of the size is 2t in these coordinates
-    angle_and_shift = torch.addcmul(-largest, draws[:, 2:5], 2 * largest)  # (B, 3): each uniform in [-largest, largest]
-    pixel = torch.tensor([2 / width, 2 / height], device=draws.device)
-    shift = torch.addcmul(angle_and_shift[:, 1:], crop_pixels, pixel).view(B, 1, 1, 2)
-    cos, sin = angle_and_shift[:, 0].cos(), angle_and_shift[:, 0].sin()
+    shift = torch.addcmul(shift, crop.floor(), constants.pixel).view(B, 1, 1, 2)
+    cos, sin = angle.cos(), angle.sin()  # each (B, 1)
     # a rotation of the pixel grid is scaled by the aspect ratio (which is 1 for square images)
-    reads_per_x = torch.stack([cos, sin * (width / height)], dim=1).view(B, 1, 1, 2)
-    reads_per_y = torch.stack([-sin * (height / width), cos], dim=1).view(B, 1, 1, 2)
-    x, y = pixel_centres(height, width, draws.device)  # each (1, H, W, 1)
-    return torch.addcmul(torch.addcmul(shift, x, reads_per_x), y, reads_per_y)
+    reads_per_x = torch.cat([cos, sin * (width / height)], dim=1).view(B, 1, 1, 2)
+    reads_per_y = torch.cat([sin * (-height / width), cos], dim=1).view(B, 1, 1, 2)
+    return torch.addcmul(torch.addcmul(shift, constants.x, reads_per_x), constants.y, reads_per_y)
+
+
+class GridConstants(NamedTuple):
+    """What sampling_grid needs besides the draws. Draw u of column k becomes low[k] + u * span[k]."""
+
+    low: torch.Tensor  # (5,) at u = 0: crop x, crop y in pixels (before rounding down), angle, shift x, shift y
+    span: torch.Tensor  # (5,)
+    pixel: torch.Tensor  # (2,) a pixel's width and height in grid_sample's coordinates
+    x: torch.Tensor  # (1, H, W, 1) each pixel centre's x in grid_sample's coordinates (align_corners=False)
+    y: torch.Tensor  # (1, H, W, 1) and its y
 
 
 @functools.cache
-def pixel_centres(height: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each pixel's centre x and y in grid_sample's [-1, 1] coordinates (align_corners=False), each (1, H, W, 1)."""
+def grid_constants(augmentation: Augmentation, height: int, width: int, device: torch.device) -> GridConstants:
+    pad, angle = augmentation.crop_padding, math.radians(augmentation.rotation_degrees)
+    shift = 2 * augmentation.translate_fraction  # a fraction t of the size is 2t in grid_sample's coordinates
+    low = torch.tensor([-pad, -pad, -angle, -shift, -shift], device=device)
+    span = torch.tensor([2 * pad + 1, 2 * pad + 1, 2 * angle, 2 * shift, 2 * shift], device=device)
+    pixel = torch.tensor([2 / width, 2 / height], device=device)
     grid = F.affine_grid(torch.eye(2, 3, device=device)[None], [1, 1, height, width], align_corners=False)
-    return grid[..., 0:1], grid[..., 1:2]
+    return GridConstants(low, span, pixel, grid[..., 0:1], grid[..., 1:2])

@@ -85,6 +85,7 @@ class AugmentedImages(Dataset):
         self.images = images
         self.augmentation = augmentation
         self.seed = seed
+        self.generator = torch.Generator()  # seeded afresh for each micro-batch: its state carries nothing over
 
     def __len__(self) -> int:
         return len(self.images)
@@ -93,13 +94,14 @@ class AugmentedImages(Dataset):
         """The micro-batch's (B, C, H, W) normalised images and (B,) labels: the DataLoader's whole batch
         (``already_collated``)."""
         first = micro_batch[0]
-        located = [(at.step, at.place) for at in micro_batch]
-        if located != [(first.step, first.place + i) for i in range(len(micro_batch))]:
+        places = [at.place for at in micro_batch]
+        if places != list(range(first.place, first.place + len(places))) or micro_batch[-1].step != first.step:
             raise ValueError("a micro-batch must be consecutive places of one step's global batch, as LocatedSampler "
-                             f"hands them out in micro_batch_size groups; got (step, place) {located}")
+                             f"hands them out in micro_batch_size groups; got (step, place) "
+                             f"{[(at.step, at.place) for at in micro_batch]}")
         indices = torch.tensor([at.index for at in micro_batch])  # once: torch converts a list on every indexing
-        generator = torch.Generator().manual_seed(augmentation_seed(self.seed, first.step, first.place))
-        images = augment_images(self.images.scaled(indices), draw_augmentations(generator, len(indices)),
+        self.generator.manual_seed(augmentation_seed(self.seed, first.step, first.place))
+        images = augment_images(self.images.scaled(indices), draw_augmentations(self.generator, len(indices)),
                                 self.augmentation)
         return self.images.normalise(images), self.images.images.labels[indices]
 
