@@ -261,10 +261,10 @@ def test_validation_reads_every_image_once_at_any_world_size(digits: ImageClassi
 def test_one_process_and_several_augment_the_same_global_batch_alike(digits: ImageClassificationDataModule,
                                                                      world_size: int) -> None:
     """A step's 64 samples in micro-batches of 16: 4 on one process, or spread over 2 or 4 ranks (2 or 1 each)."""
-    def global_batch(world_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        plan = data_parallel_plan(world_size)
+    def global_batch(ranks: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        plan = data_parallel_plan(ranks)
         in_place_order: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for rank in range(world_size):
+        for rank in range(ranks):
             stream = step_batches(digits, plan, rank, start_step=step)
             for micro_batch in range(plan.accumulation):
                 in_place_order[plan.micro_batch_group(rank, micro_batch)] = next(stream)
@@ -334,9 +334,9 @@ def test_turning_one_augmentation_on_leaves_the_others_draws_alone(digits: Image
     cropped = augmented(AugmentedImages(digits.train_set, Augmentation(crop_padding=2), SEED), micro_batch)
     flipped_too = augmented(AugmentedImages(digits.train_set, Augmentation(crop_padding=2, horizontal_flip=True),
                                             SEED), micro_batch)
-    mirrored = [torch.equal(image.flip(-1), other) for image, other in zip(cropped, flipped_too)]
-    kept = [torch.equal(image, other) for image, other in zip(cropped, flipped_too)]
-    assert all(m or k for m, k in zip(mirrored, kept)) and any(mirrored) and any(kept)
+    mirrored = [torch.equal(image.flip(-1), other) for image, other in zip(cropped, flipped_too, strict=True)]
+    kept = [torch.equal(image, other) for image, other in zip(cropped, flipped_too, strict=True)]
+    assert all(m or k for m, k in zip(mirrored, kept, strict=True)) and any(mirrored) and any(kept)
 
 
 def test_a_batch_augments_each_image_as_it_would_alone() -> None:
@@ -375,7 +375,8 @@ def test_flipping_mirrors_about_half_the_images_and_only_when_enabled() -> None:
     image = torch.rand(1, 6, 6)
     flipped = augment(image.expand(40, 1, 6, 6), SEED, Augmentation(horizontal_flip=True))
     mirrored = [torch.equal(one, image.flip(-1)) for one in flipped]
-    assert 10 <= sum(mirrored) <= 30 and all(m or torch.equal(one, image) for m, one in zip(mirrored, flipped))
+    assert 10 <= sum(mirrored) <= 30
+    assert all(m or torch.equal(one, image) for m, one in zip(mirrored, flipped, strict=True))  # the rest as they were
     assert not ImageClassificationDataModule().augmentation.horizontal_flip  # off for digits: a mirrored 2 is no 2
 
 
