@@ -146,6 +146,13 @@ class RunPlan:
         whole steps, so counting from the epoch's start is enough."""
         return batch_index % self.accumulation
 
+    def micro_batch_group(self, data_parallel_rank: int, micro_batch_in_step: int) -> int:
+        """Which group of ``micro_batch_size`` consecutive samples of its step's global batch a micro-batch reads:
+        the step's first micro-batches of ranks 0, 1, ... come first, then their second ones, so micro-batch a of
+        data-parallel rank r is group a x data-parallel size + r, the samples at places [group x micro,
+        (group + 1) x micro) of the global batch (datamodules/samplers.py reads them there)."""
+        return micro_batch_in_step * self.data_parallel_size + data_parallel_rank
+
     def starts_optimizer_step(self, batch_index: int) -> bool:
         return self.micro_batch_in_step(batch_index) == 0
 

@@ -66,6 +66,8 @@ class ShardedDataModule(L.LightningDataModule):
     run_plan: RunPlan | None  # handed over by the CLI: the ranks, sizes and accumulation
     train_set: Dataset | None
     val_set: Dataset | None
+    # what makes a micro-batch of the training dataset's samples; None: the DataLoader's default_collate
+    training_collate: Callable[[Any], Any] | None = None
 
     def train_dataloader(self) -> DataLoader:
         return self.training_loader(self.trainer.global_rank, current_step=lambda: self.trainer.global_step)
@@ -75,7 +77,8 @@ class ShardedDataModule(L.LightningDataModule):
         resuming, the step restored from the checkpoint)."""
         plan = run_plan_of(self)
         dataset, sampler = self.training_stream(plan, plan.data_parallel_rank(global_rank), current_step)
-        return ResumableDataLoader(dataset, sampler=sampler, **self.loader_options())
+        return ResumableDataLoader(dataset, sampler=sampler, collate_fn=self.training_collate,
+                                   **self.loader_options())
 
     def training_stream(self, plan: RunPlan, data_parallel_rank: int,
                         current_step: Callable[[], int]) -> tuple[Dataset, GlobalBatchSampler]:

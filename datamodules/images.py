@@ -1,12 +1,13 @@
-"""The image-classification DataModule: labelled images in, (images, labels) micro-batches out, each training image
-augmented by its own rank's and step's random draw.
+"""The image-classification DataModule: labelled images in, (images, labels) micro-batches out, each training
+micro-batch augmented at once by a draw keyed by its step and its place in the step's global batch.
 
 With no ``data_dir`` it trains on scikit-learn's handwritten digits (8x8 grayscale, ten classes; see
 datamodules/image_files.py for the folder layout otherwise). The samples of each step are the run plan's global
 batch, as for language modeling (datamodules/samplers.py). The training sampler hands the dataset each sample's
-coordinates (index, step, micro-batch, position) rather than its index alone, so that the dataset, in the loader's
-worker processes, augments it with the generator those coordinates seed (datamodules/augmentation.py): nothing
-else needs to know the step. Validation images are not augmented.
+index with its step and its place in the step's global batch (a ``SampleAt``), and the DataLoader hands the dataset
+a whole micro-batch of them (``__getitems__``), so that the dataset, in the loader's worker processes if there are
+any, augments the micro-batch in batched ops with the generator its step and first place seed
+(datamodules/augmentation.py): nothing else needs to know the step. Validation images are not augmented.
 
 Images are scaled to [0, 1], augmented, then normalised per channel with the training split's mean and std.
 Padding samples (see EvenShardSampler) are zero images labelled IGNORE_INDEX, which the loss and accuracy skip.
@@ -24,7 +25,7 @@ from torch.utils.data import Dataset
 from core.errors import UserError, check_ranges
 from core.run_plan import RunPlan
 from core.tokens import IGNORE_INDEX
-from datamodules.augmentation import Augmentation, augment_image, augmentation_seed
+from datamodules.augmentation import Augmentation, augment_images, augmentation_seed, draw_augmentations
 from datamodules.base import ShardedDataModule
 from datamodules.image_files import (
     ImageFolder, LabelledImages, load_digits, read_images, scan_image_folder, split_for_validation,
@@ -36,26 +37,21 @@ DIGITS_CLASSES = [str(digit) for digit in range(10)]
 
 
 class SampleAt(NamedTuple):
-    """A training sample and where it is used: optimizer step, micro-batch of that step on this rank, position in
-    that micro-batch."""
+    """A training sample and where it is used: optimizer step, and place in that step's global batch."""
 
     index: int
     step: int
-    micro_batch_index: int
-    position: int
+    place: int
 
 
 class LocatedSampler(GlobalBatchSampler):
-    """GlobalBatchSampler's indices, each with its step, micro-batch and position (a ``SampleAt``)."""
+    """GlobalBatchSampler's indices, each with its step and place in the step's global batch (a ``SampleAt``)."""
 
     def __iter__(self) -> Iterator[SampleAt]:  # type: ignore[override]
-        first, micro = self.current_step(), self.plan.micro_batch_size
-        per_step = self.plan.accumulation * micro
-        # the step read once, then fixed for the iteration, so that indices and coordinates agree
-        indices = GlobalBatchSampler(self.num_samples, self.plan, self.rank, lambda: first)
-        for count, index in enumerate(indices):
-            step, within_step = divmod(count, per_step)
-            yield SampleAt(index, first + step, *divmod(within_step, micro))
+        places = self.places_in_step().tolist()
+        for step, indices in self.steps():
+            for index, place in zip(indices, places, strict=True):
+                yield SampleAt(index, step, place)
 
 
 class NormalisedImages(Dataset):
@@ -69,8 +65,8 @@ class NormalisedImages(Dataset):
     def __len__(self) -> int:
         return len(self.images.labels)
 
-    def scaled(self, index: int) -> torch.Tensor:
-        """Image ``index`` as (C, H, W) floats in [0, 1]."""
+    def scaled(self, index: int | torch.Tensor) -> torch.Tensor:
+        """Image ``index`` as (C, H, W) floats in [0, 1]; a tensor of B indices gives (B, C, H, W)."""
         return self.images.pixels[index].float() / self.images.max_value
 
     def normalise(self, image: torch.Tensor) -> torch.Tensor:
@@ -83,26 +79,41 @@ class NormalisedImages(Dataset):
 
 
 class AugmentedImages(Dataset):
-    """The training images of one data-parallel rank, read by ``SampleAt`` and augmented by its coordinates."""
+    """The training images, read a micro-batch of ``SampleAt`` at a time and augmented by its step and places."""
 
-    def __init__(self, images: NormalisedImages, augmentation: Augmentation, seed: int,
-                 data_parallel_rank: int) -> None:
+    def __init__(self, images: NormalisedImages, augmentation: Augmentation, seed: int) -> None:
         self.images = images
         self.augmentation = augmentation
         self.seed = seed
-        self.data_parallel_rank = data_parallel_rank
+        self.generator = torch.Generator()  # seeded afresh for each micro-batch: its state carries nothing over
 
     def __len__(self) -> int:
         return len(self.images)
 
-    def __getitem__(self, at: SampleAt) -> tuple[torch.Tensor, int]:
-        seed = augmentation_seed(self.seed, self.data_parallel_rank, at.step, at.micro_batch_index, at.position)
-        image = augment_image(self.images.scaled(at.index), torch.Generator().manual_seed(seed), self.augmentation)
-        return self.images.normalise(image), int(self.images.images.labels[at.index])
+    def __getitems__(self, micro_batch: list[SampleAt]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch's (B, C, H, W) normalised images and (B,) labels: the DataLoader's whole batch
+        (``already_collated``)."""
+        first = micro_batch[0]
+        places = [at.place for at in micro_batch]
+        if places != list(range(first.place, first.place + len(places))) or micro_batch[-1].step != first.step:
+            raise ValueError("a micro-batch must be consecutive places of one step's global batch, as LocatedSampler "
+                             f"hands them out in micro_batch_size groups; got (step, place) "
+                             f"{[(at.step, at.place) for at in micro_batch]}")
+        indices = torch.tensor([at.index for at in micro_batch])  # once: torch converts a list on every indexing
+        self.generator.manual_seed(augmentation_seed(self.seed, first.step, first.place))
+        images = augment_images(self.images.scaled(indices), draw_augmentations(self.generator, len(indices)),
+                                self.augmentation)
+        return self.images.normalise(images), self.images.images.labels[indices]
+
+
+def already_collated(micro_batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training loader's collate: AugmentedImages hands over whole micro-batches."""
+    return micro_batch
 
 
 class ImageClassificationDataModule(ShardedDataModule):
     unit = "images"  # what the progress line and the monitor count per second
+    training_collate = staticmethod(already_collated)
     def __init__(
         self,
         data_dir: str | None = None,
@@ -197,5 +208,5 @@ class ImageClassificationDataModule(ShardedDataModule):
     def training_stream(self, plan: RunPlan, data_parallel_rank: int,
                         current_step: Callable[[], int]) -> tuple[AugmentedImages, LocatedSampler]:
         assert self.train_set is not None
-        dataset = AugmentedImages(self.train_set, self.augmentation, plan.seed, data_parallel_rank)
+        dataset = AugmentedImages(self.train_set, self.augmentation, plan.seed)
         return dataset, LocatedSampler(len(self.train_set), plan, data_parallel_rank, current_step)

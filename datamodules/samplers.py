@@ -52,9 +52,20 @@ class GlobalBatchSampler(Sampler[int]):
         return self.steps_per_epoch * self.plan.accumulation * self.plan.micro_batch_size
 
     def __iter__(self) -> Iterator[int]:
-        first, micro, plan = self.current_step(), self.plan.micro_batch_size, self.plan
-        micro_batches = torch.arange(plan.accumulation).view(-1, 1) * (micro * plan.data_parallel_size)
-        within_step = (micro_batches + self.rank * micro + torch.arange(micro)).flatten()
+        for _, indices in self.steps():
+            yield from indices
+
+    def places_in_step(self) -> torch.Tensor:
+        """This rank's places in each step's global batch, in the order it reads them: micro-batch a takes the
+        ``micro_batch_size`` places of its ``RunPlan.micro_batch_group``."""
+        plan = self.plan
+        groups = torch.tensor([plan.micro_batch_group(self.rank, a) for a in range(plan.accumulation)])
+        return (groups.view(-1, 1) * plan.micro_batch_size + torch.arange(plan.micro_batch_size)).flatten()
+
+    def steps(self) -> Iterator[tuple[int, list[int]]]:
+        """(optimizer step, this rank's sample indices in it, in ``places_in_step`` order), step after step."""
+        first, plan = self.current_step(), self.plan
+        places = self.places_in_step()
         permutation, permutation_epoch = None, -1
         steps = range(first, first + self.steps_per_epoch) if self.assigned_steps is None else self.assigned_steps()
         for step in steps:
@@ -62,7 +73,7 @@ class GlobalBatchSampler(Sampler[int]):
             if data_epoch != permutation_epoch:
                 generator = torch.Generator().manual_seed(derive_seed(plan.seed, data_epoch))
                 permutation, permutation_epoch = torch.randperm(self.num_samples, generator=generator), data_epoch
-            yield from permutation[step_in_epoch * plan.global_batch_size + within_step].tolist()
+            yield step, permutation[step_in_epoch * plan.global_batch_size + places].tolist()
 
 
 class EvenShardSampler(Sampler[int]):

@@ -1,8 +1,9 @@
 """The LightningModule that trains a ResNet image classifier: cross-entropy, accuracy through torchmetrics, and the
 optimizer and schedule every family shares (models/module.py).
 
-The images arrive augmented by the datamodule (datamodules/images.py), each from its own rank's and step's draw;
-the number of classes, the channels and the image size are the data's, linked in by the CLI.
+The images arrive augmented by the datamodule (datamodules/images.py), each micro-batch by a draw keyed by its step
+and place in the global batch; the number of classes, the channels and the image size are the data's, linked in by
+the CLI.
 """
 
 from __future__ import annotations

@@ -163,11 +163,10 @@ class BertMaskedLanguageModel(CohortModule):
 
     @staticmethod
     def mask_seed(plan: RunPlan, global_rank: int, step: int, batch_idx: int) -> int:
-        """The seed of a training micro-batch's masks, from its place in the step's global batch: micro-batch a of
-        data-parallel rank r holds the step's (a x data-parallel size + r)-th group of micro_batch_size samples
-        (datamodules/samplers.py). So ranks and steps mask differently, ranks of one tensor-parallel group alike,
-        and the same samples get the same masks at any world size with the same micro batch."""
-        group = plan.micro_batch_in_step(batch_idx) * plan.data_parallel_size + plan.data_parallel_rank(global_rank)
+        """The seed of a training micro-batch's masks, from its place in the step's global batch (its
+        ``RunPlan.micro_batch_group``). So ranks and steps mask differently, ranks of one tensor-parallel group
+        alike, and the same samples get the same masks at any world size with the same micro batch."""
+        group = plan.micro_batch_group(plan.data_parallel_rank(global_rank), plan.micro_batch_in_step(batch_idx))
         return derive_seed(plan.seed, "mask", step, group)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:

@@ -1,6 +1,7 @@
 """The model families a config picks by class_path (GPT, BERT, the image classifier): each trains through the same
-CLI, resumes exactly, keeps its randomness (BERT's masks, the images' augmentation) per rank and per step, and is
-refused with one line where it cannot run; and the doctor's memory estimate answers the lesson's BERT-large question.
+CLI, resumes exactly, keys its randomness (BERT's masks, the images' augmentation) by step and place in the global
+batch, and is refused with one line where it cannot run; and the doctor's memory estimate answers the lesson's
+BERT-large question.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def digits_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "short": fit_in_process(root / "short", digits_run(8))}
 
 
-# the digits without augmentation (whose draws follow the rank), with clipping that bites, 6 steps
+# the digits without augmentation, with clipping that bites, 6 steps
 UNAUGMENTED_DIGITS = [*digits_run(6), "--data.crop_padding", "0", "--data.rotation_degrees", "0",
                       "--trainer.gradient_clip_val", "0.1"]
 BATCH_NORM_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
@@ -173,8 +174,8 @@ def test_a_checkpoint_of_another_family_is_refused_in_one_line(bert_straight: Pa
 
 @pytest.mark.slow
 def test_the_digits_classifier_reaches_the_same_accuracy_on_two_processes(digits_runs: dict[str, Path]) -> None:
-    """The same global batch of 64 on 1 process (2 micro-batches of 32) and on 2 (one each): the augmentation draws
-    differ (they follow the rank), so the runs are not equal, but both learn the digits as well."""
+    """The same global batch of 64 on 1 process (2 micro-batches of 32) and on 2 (one each), augmented alike
+    (tests/test_images.py): both learn the digits as well."""
     one, two = scalars(digits_runs["one"], "val/accuracy")[-1], scalars(digits_runs["two"], "val/accuracy")[-1]
     assert one > 0.93 and two > 0.93, (one, two)
     assert abs(one - two) < 0.03, (one, two)

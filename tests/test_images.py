@@ -1,4 +1,5 @@
-"""Image classification: the digits and image folders, their errors, the per-rank per-step augmentation, the ResNet."""
+"""Image classification: the digits and image folders, their errors, the augmentation keyed by each micro-batch's
+step and place in the global batch, the ResNet."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from core.errors import UserError
 from core.precision import PRECISIONS
 from core.run_plan import RunPlan
 from core.tokens import IGNORE_INDEX
-from datamodules.augmentation import Augmentation, augment_image, augmentation_seed
+from datamodules.augmentation import Augmentation, augment_images, draw_augmentations
 from datamodules.image_files import load_digits, split_for_validation
 from datamodules.images import AugmentedImages, ImageClassificationDataModule, SampleAt
 from datamodules.samplers import GlobalBatchSampler
@@ -53,18 +54,17 @@ def write_png(path: Path, size: tuple[int, int] = (6, 6), mode: str = "L", value
     Image.new(mode, size, value if mode == "L" else (value, 0, 255 - value)).save(path)
 
 
+def augment(images: torch.Tensor, seed: int, augmentation: Augmentation) -> torch.Tensor:
+    """A (B, C, H, W) batch augmented by the draws of a generator seeded with ``seed``."""
+    return augment_images(images, draw_augmentations(torch.Generator().manual_seed(seed), len(images)), augmentation)
+
+
+def augmented(dataset: AugmentedImages, micro_batch: list[SampleAt]) -> torch.Tensor:
+    """The micro-batch's (B, C, H, W) images as the training loader hands them over."""
+    return dataset.__getitems__(micro_batch)[0]
+
+
 # the data
-
-
-
-def augment_batch(images: torch.Tensor, seed: int, data_parallel_rank: int, step: int, micro_batch_index: int,
-                  augmentation: Augmentation) -> torch.Tensor:
-    """A (B, C, H, W) micro-batch, each image augmented as AugmentedImages augments the sample at that position."""
-    if not augmentation.enabled:
-        return images
-    generators = [torch.Generator().manual_seed(augmentation_seed(seed, data_parallel_rank, step, micro_batch_index,
-                                                                  position)) for position in range(len(images))]
-    return torch.stack([augment_image(image, generator, augmentation) for image, generator in zip(images, generators)])
 
 
 def test_digits_are_1797_grayscale_8x8_images_of_ten_classes() -> None:
@@ -207,15 +207,41 @@ def test_every_training_sample_is_read_by_one_rank_per_pass(digits: ImageClassif
     assert set(seen) == set(reference)  # the same samples as one process reads
 
 
-def test_each_sample_carries_its_step_micro_batch_and_position(digits: ImageClassificationDataModule) -> None:
-    plan = data_parallel_plan(2, global_batch=64, micro=16)  # 2 micro-batches per step on each rank
-    digits.run_plan = plan
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_sample_carries_its_step_and_its_place_in_the_global_batch(digits: ImageClassificationDataModule,
+                                                                         world_size: int) -> None:
+    """Every place of every step is read once, by one rank, and holds the sample one process reads there."""
+    def by_place(plan: RunPlan, rank: int) -> dict[tuple[int, int], int]:
+        digits.run_plan = plan
+        return {(at.step, at.place): at.index for at in digits.training_loader(rank, current_step=lambda: 3).sampler}
+
+    one_process = by_place(data_parallel_plan(1), 0)
+    steps_per_epoch = len(digits.train_set) // 64
+    assert sorted(one_process) == [(step, place) for step in range(3, 3 + steps_per_epoch) for place in range(64)]
+    ranks = [by_place(data_parallel_plan(world_size), rank) for rank in range(world_size)]
+    assert sum(len(places) for places in ranks) == len(one_process)
+    assert {key: index for places in ranks for key, index in places.items()} == one_process
+
+
+def test_a_rank_reads_its_micro_batches_as_consecutive_places(digits: ImageClassificationDataModule) -> None:
+    """Rank 1 of 2, micro batches of 16, 2 per step: places 16-31 of the step's 64, then 48-63, then the next step."""
+    digits.run_plan = data_parallel_plan(2)
     located = list(digits.training_loader(1, current_step=lambda: 3).sampler)
-    assert located[:3] == [SampleAt(located[0].index, 3, 0, 0), SampleAt(located[1].index, 3, 0, 1),
-                           SampleAt(located[2].index, 3, 0, 2)]
-    assert located[16][1:] == (3, 1, 0) and located[32][1:] == (4, 0, 0)
-    indices = list(GlobalBatchSampler(len(digits.train_set), plan, 1, lambda: 3))
-    assert [at.index for at in located] == indices
+    assert [(at.step, at.place) for at in located[:32]] == [(3, place) for place in [*range(16, 32), *range(48, 64)]]
+    assert (located[32].step, located[32].place) == (4, 16)
+
+
+def test_the_training_stream_follows_the_steps_a_parameter_server_assigns(
+        digits: ImageClassificationDataModule) -> None:
+    plan = data_parallel_plan(1)
+    digits.run_plan = plan
+    sampler = digits.training_loader(0).sampler
+    sampler.assigned_steps = lambda: iter([5, 2])
+    located = list(sampler)
+    assert [at.step for at in located] == [5] * 64 + [2] * 64
+    reference = GlobalBatchSampler(len(digits.train_set), plan, 0)
+    reference.assigned_steps = lambda: iter([5, 2])
+    assert [at.index for at in located] == list(reference)
 
 
 def test_validation_reads_every_image_once_at_any_world_size(digits: ImageClassificationDataModule) -> None:
@@ -231,15 +257,23 @@ def test_validation_reads_every_image_once_at_any_world_size(digits: ImageClassi
 # the augmentation
 
 
-def test_two_ranks_augment_the_same_sample_differently_and_read_different_samples(
-        digits: ImageClassificationDataModule) -> None:
-    at = SampleAt(index=5, step=0, micro_batch_index=0, position=0)
-    rank0, rank1 = (AugmentedImages(digits.train_set, digits.augmentation, SEED, rank)[at][0] for rank in (0, 1))
-    assert not torch.equal(rank0, rank1)
-    plan = data_parallel_plan(2)
-    digits.run_plan = plan
-    first_micro_batches = [{at.index for at in list(digits.training_loader(rank).sampler)[:16]} for rank in (0, 1)]
-    assert not first_micro_batches[0] & first_micro_batches[1]
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_one_process_and_several_augment_the_same_global_batch_alike(digits: ImageClassificationDataModule,
+                                                                     world_size: int) -> None:
+    """A step's 64 samples in micro-batches of 16: 4 on one process, or spread over 2 or 4 ranks (2 or 1 each)."""
+    def global_batch(ranks: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        plan = data_parallel_plan(ranks)
+        in_place_order: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for rank in range(ranks):
+            stream = step_batches(digits, plan, rank, start_step=step)
+            for micro_batch in range(plan.accumulation):
+                in_place_order[plan.micro_batch_group(rank, micro_batch)] = next(stream)
+        micro_batches = [in_place_order[group] for group in sorted(in_place_order)]
+        return torch.cat([images for images, _ in micro_batches]), torch.cat([labels for _, labels in micro_batches])
+
+    for step in (0, 25):  # 25 is in the second data epoch (22 steps each)
+        (one_images, one_labels), (images, labels) = global_batch(1, step), global_batch(world_size, step)
+        assert torch.equal(one_labels, labels) and torch.equal(one_images, images)
 
 
 def test_a_resumed_run_augments_its_step_as_the_first_run_did(digits: ImageClassificationDataModule) -> None:
@@ -254,31 +288,84 @@ def test_a_resumed_run_augments_its_step_as_the_first_run_did(digits: ImageClass
         assert torch.equal(images, resumed_images) and torch.equal(labels, resumed_labels)
 
 
-def test_another_step_epoch_or_seed_augments_the_same_sample_differently(
+def test_loader_worker_processes_hand_over_the_same_micro_batches() -> None:
+    plan = data_parallel_plan(1, micro=32)
+    streams = []
+    for num_workers in (0, 1):
+        datamodule = ImageClassificationDataModule(global_batch_size=64, micro_batch_size=32, num_workers=num_workers)
+        datamodule.setup("fit")
+        streams.append(list(step_batches(datamodule, plan, 0, start_step=3))[:4])
+    for (images, labels), (worker_images, worker_labels) in zip(*streams, strict=True):
+        assert torch.equal(images, worker_images) and torch.equal(labels, worker_labels)
+
+
+def test_another_step_epoch_place_or_seed_augments_the_same_sample_differently(
         digits: ImageClassificationDataModule) -> None:
-    image = digits.train_set.scaled(0)[None]  # (1, 1, 8, 8)
-    reference = augment_batch(image, SEED, 0, step=0, micro_batch_index=0, augmentation=ALL_ON)
-    assert torch.equal(reference, augment_batch(image, SEED, 0, 0, 0, ALL_ON))
+    def sample_0_at(step: int, place: int, seed: int = SEED) -> torch.Tensor:
+        return augmented(AugmentedImages(digits.train_set, ALL_ON, seed), [SampleAt(0, step, place)])
+
+    reference = sample_0_at(step=0, place=0)
+    assert torch.equal(reference, sample_0_at(0, 0))
     steps_per_epoch = len(digits.train_set) // 64
-    for seed, step, micro_batch_index in ((SEED, 1, 0), (SEED, steps_per_epoch, 0), (SEED, 0, 1), (SEED + 1, 0, 0)):
-        assert not torch.equal(reference, augment_batch(image, seed, 0, step, micro_batch_index, ALL_ON))
+    for step, place, seed in ((1, 0, SEED), (steps_per_epoch, 0, SEED), (0, 1, SEED), (0, 0, SEED + 1)):
+        assert not torch.equal(reference, sample_0_at(step, place, seed)), (step, place, seed)
+
+
+def test_a_micro_batch_that_is_not_consecutive_places_of_one_step_is_refused(
+        digits: ImageClassificationDataModule) -> None:
+    dataset = AugmentedImages(digits.train_set, ALL_ON, SEED)
+    with pytest.raises(ValueError, match=r"consecutive places .*got \(step, place\) \[\(0, 0\), \(0, 2\)\]"):
+        dataset.__getitems__([SampleAt(1, 0, 0), SampleAt(2, 0, 2)])
+    with pytest.raises(ValueError, match=r"\[\(0, 0\), \(1, 1\)\]"):
+        dataset.__getitems__([SampleAt(1, 0, 0), SampleAt(2, 1, 1)])
+
+
+def test_validation_is_not_augmented(digits: ImageClassificationDataModule) -> None:
+    digits.run_plan = data_parallel_plan(1)
+    digits.trainer = SimpleNamespace(global_rank=0, limit_val_batches=1.0, limit_test_batches=1.0)
+    images, labels = next(iter(digits.val_dataloader()))  # validation images 0 to 15
+    assert torch.equal(images, digits.val_set.normalise(digits.val_set.scaled(torch.arange(16))))
+    assert torch.equal(labels, digits.val_set.images.labels[:16])
+
+
+def test_turning_one_augmentation_on_leaves_the_others_draws_alone(digits: ImageClassificationDataModule) -> None:
+    """With the flip on, each image is cropped as without it, and mirrored or not."""
+    micro_batch = [SampleAt(index, 3, 16 + index) for index in range(16)]
+    cropped = augmented(AugmentedImages(digits.train_set, Augmentation(crop_padding=2), SEED), micro_batch)
+    flipped_too = augmented(AugmentedImages(digits.train_set, Augmentation(crop_padding=2, horizontal_flip=True),
+                                            SEED), micro_batch)
+    mirrored = [torch.equal(image.flip(-1), other) for image, other in zip(cropped, flipped_too, strict=True)]
+    kept = [torch.equal(image, other) for image, other in zip(cropped, flipped_too, strict=True)]
+    assert all(m or k for m, k in zip(mirrored, kept, strict=True)) and any(mirrored) and any(kept)
+
+
+def test_a_batch_augments_each_image_as_it_would_alone() -> None:
+    images = torch.rand(16, 3, 12, 10)
+    draws = draw_augmentations(torch.Generator().manual_seed(0), len(images))
+    together = augment_images(images, draws, ALL_ON)
+    for i in range(len(images)):
+        alone = augment_images(images[i : i + 1], draws[i : i + 1], ALL_ON)
+        # pixels in [0, 1]; each output pixel is 4 weighted float32 pixels summed, rounded at most ~8 times by 2^-24
+        torch.testing.assert_close(together[i : i + 1], alone, rtol=0, atol=1e-6)
 
 
 def test_augmentation_keeps_shape_and_dtype_and_is_the_identity_when_off() -> None:
     images = torch.rand(8, 3, 12, 10)
-    assert torch.equal(augment_batch(images, SEED, 0, 0, 0, Augmentation()), images)
-    augmented = augment_batch(images, SEED, 0, 0, 0, ALL_ON)
-    assert augmented.shape == images.shape and augmented.dtype == images.dtype
-    assert not torch.equal(augmented, images)
+    assert torch.equal(augment(images, SEED, Augmentation()), images)
+    augmented_images = augment(images, SEED, ALL_ON)
+    assert augmented_images.shape == images.shape and augmented_images.dtype == images.dtype
+    assert not torch.equal(augmented_images, images)
 
 
 def test_the_random_crop_is_a_shift_by_at_most_the_padding_filled_with_zeros() -> None:
     image = torch.rand(1, 8, 8) + 0.1  # no zeros of its own
     shifts = set()
-    for seed in range(40):
-        cropped = augment_image(image, torch.Generator().manual_seed(seed), Augmentation(crop_padding=2))
+    for cropped in augment(image.expand(40, 1, 8, 8), SEED, Augmentation(crop_padding=2)):
+        # grid_sample shifts by a whole pixel up to float32 rounding of its coordinates (~1e-6 of a pixel), which
+        # mixes in that much of a neighbour; neighbours differ by at most 1
         matches = [(dy, dx) for dy in range(-2, 3) for dx in range(-2, 3)
-                   if torch.equal(cropped, F.pad(image, (2, 2, 2, 2))[:, 2 + dy : 10 + dy, 2 + dx : 10 + dx])]
+                   if torch.allclose(cropped, F.pad(image, (2, 2, 2, 2))[:, 2 + dy : 10 + dy, 2 + dx : 10 + dx],
+                                     rtol=0, atol=1e-5)]
         assert len(matches) == 1
         shifts.add(matches[0])
     assert len(shifts) > 15  # most of the 25 shifts occur
@@ -286,19 +373,42 @@ def test_the_random_crop_is_a_shift_by_at_most_the_padding_filled_with_zeros() -
 
 def test_flipping_mirrors_about_half_the_images_and_only_when_enabled() -> None:
     image = torch.rand(1, 6, 6)
-    flips = [torch.equal(augment_image(image, torch.Generator().manual_seed(seed), Augmentation(horizontal_flip=True)),
-                         image.flip(-1)) for seed in range(40)]
-    assert 10 <= sum(flips) <= 30
+    flipped = augment(image.expand(40, 1, 6, 6), SEED, Augmentation(horizontal_flip=True))
+    mirrored = [torch.equal(one, image.flip(-1)) for one in flipped]
+    assert 10 <= sum(mirrored) <= 30
+    assert all(m or torch.equal(one, image) for m, one in zip(mirrored, flipped, strict=True))  # the rest as they were
     assert not ImageClassificationDataModule().augmentation.horizontal_flip  # off for digits: a mirrored 2 is no 2
+
+
+def test_draws_at_the_ends_of_their_ranges_turn_a_quarter_and_shift_by_whole_pixels() -> None:
+    image = torch.rand(1, 1, 8, 8) + 0.1  # no zeros of its own
+
+    def moved(augmentation: Augmentation, crop_x: float = 0.5, crop_y: float = 0.5, angle: float = 0.5,
+              shift_x: float = 0.5, shift_y: float = 0.5) -> torch.Tensor:
+        return augment_images(image, torch.tensor([[crop_x, crop_y, angle, shift_x, shift_y, 1.0]]), augmentation)[0]
+
+    def close(augmented_image: torch.Tensor, expected: torch.Tensor) -> bool:
+        # grid_sample's coordinates are off whole pixels by float32 rounding (~1e-6 of a pixel), which mixes in that
+        # much of a neighbour; neighbours differ by at most 1
+        return torch.allclose(augmented_image, expected, rtol=0, atol=1e-5)
+
+    def window(dy: int, dx: int) -> torch.Tensor:  # pixel (i, j) is the image's (i + dy, j + dx), zeros outside
+        return F.pad(image[0], (2, 2, 2, 2))[:, 2 + dy : 10 + dy, 2 + dx : 10 + dx]
+
+    quarter_turns = [torch.rot90(image[0], k, dims=(1, 2)) for k in (1, -1)]  # not a mirror image or a shear
+    assert any(close(moved(Augmentation(rotation_degrees=90.0), angle=1.0), turned) for turned in quarter_turns)
+    assert close(moved(Augmentation(translate_fraction=0.25), shift_x=1.0), window(0, 2))  # 0.25 of 8 pixels
+    assert close(moved(Augmentation(translate_fraction=0.25), shift_y=0.0), window(-2, 0))
+    assert close(moved(Augmentation(crop_padding=2), crop_x=0.999, crop_y=0.0), window(-2, 2))
 
 
 def test_rotation_and_translation_move_the_image_but_keep_it_on_the_grid() -> None:
     image = torch.zeros(1, 16, 16)
     image[:, 6:10, 6:10] = 1.0  # a square in the centre
     for augmentation in (Augmentation(rotation_degrees=30.0), Augmentation(translate_fraction=0.2)):
-        moved = augment_image(image, torch.Generator().manual_seed(3), augmentation)
-        assert moved.shape == image.shape and not torch.allclose(moved, image)
-        assert moved.sum().item() == pytest.approx(16.0, rel=0.1)  # the square stays inside, about its area
+        for moved in augment(image.expand(4, 1, 16, 16), 3, augmentation):
+            assert moved.shape == image.shape and not torch.allclose(moved, image)
+            assert moved.sum().item() == pytest.approx(16.0, rel=0.1)  # the square stays inside, about its area
 
 
 # the model
