@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from app.safety.checkpoints import load_checkpoint, remove_path, replace_path
 from core.errors import UserError
-from core.tokens import BYTE_BERT_VOCAB_SIZE
+from core.tokens import BYTE_BERT_VOCAB_SIZE, BYTE_SPECIAL_TOKENS
 from models.huggingface import (
     huggingface_bert_config, huggingface_bert_state_dict, huggingface_gpt2_config, huggingface_gpt2_state_dict,
     huggingface_llama_config, huggingface_llama_state_dict,
@@ -57,8 +57,10 @@ def main(argv: list[str]) -> None:
           f"vocabulary {config.vocab_size}, at step {checkpoint.get('global_step', '?')}; load it with "
           f"transformers.{loader}.from_pretrained('{out}')")
     if config.vocab_size in (BYTE_VOCABULARY, BYTE_BERT_VOCAB_SIZE):
+        special = (f"; [MASK], [CLS], [SEP] and [PAD] are ids {', '.join(map(str, BYTE_SPECIAL_TOKENS.ids))}"
+                   if config.vocab_size == BYTE_BERT_VOCAB_SIZE else "")
         print("no tokenizer was written: this model reads UTF-8 bytes (token id = byte value, "
-              "list(text.encode())), which no Hugging Face tokenizer encodes as is")
+              f"list(text.encode())), which no Hugging Face tokenizer encodes as is{special}")
     else:
         print(f"no tokenizer was written: copy the tokenizer.json its data was prepared with into {out}")
 
