@@ -357,15 +357,23 @@ def test_augmentation_keeps_shape_and_dtype_and_is_the_identity_when_off() -> No
     assert not torch.equal(augmented_images, images)
 
 
+def window(image: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
+    """(C, 8, 8) ``image`` moved so that pixel (i, j) is its (i + dy, j + dx), zeros outside (|dy|, |dx| <= 2)."""
+    return F.pad(image, (2, 2, 2, 2))[:, 2 + dy : 10 + dy, 2 + dx : 10 + dx]
+
+
+def equal_up_to_grid_rounding(augmented_image: torch.Tensor, expected: torch.Tensor) -> bool:
+    """grid_sample moves by whole pixels only up to float32 rounding of its coordinates (~1e-6 of a pixel), which
+    mixes in that much of a neighbour; neighbours differ by at most 1."""
+    return torch.allclose(augmented_image, expected, rtol=0, atol=1e-5)
+
+
 def test_the_random_crop_is_a_shift_by_at_most_the_padding_filled_with_zeros() -> None:
     image = torch.rand(1, 8, 8) + 0.1  # no zeros of its own
     shifts = set()
     for cropped in augment(image.expand(40, 1, 8, 8), SEED, Augmentation(crop_padding=2)):
-        # grid_sample shifts by a whole pixel up to float32 rounding of its coordinates (~1e-6 of a pixel), which
-        # mixes in that much of a neighbour; neighbours differ by at most 1
         matches = [(dy, dx) for dy in range(-2, 3) for dx in range(-2, 3)
-                   if torch.allclose(cropped, F.pad(image, (2, 2, 2, 2))[:, 2 + dy : 10 + dy, 2 + dx : 10 + dx],
-                                     rtol=0, atol=1e-5)]
+                   if equal_up_to_grid_rounding(cropped, window(image, dy, dx))]
         assert len(matches) == 1
         shifts.add(matches[0])
     assert len(shifts) > 15  # most of the 25 shifts occur
@@ -387,19 +395,15 @@ def test_draws_at_the_ends_of_their_ranges_turn_a_quarter_and_shift_by_whole_pix
               shift_x: float = 0.5, shift_y: float = 0.5) -> torch.Tensor:
         return augment_images(image, torch.tensor([[crop_x, crop_y, angle, shift_x, shift_y, 1.0]]), augmentation)[0]
 
-    def close(augmented_image: torch.Tensor, expected: torch.Tensor) -> bool:
-        # grid_sample's coordinates are off whole pixels by float32 rounding (~1e-6 of a pixel), which mixes in that
-        # much of a neighbour; neighbours differ by at most 1
-        return torch.allclose(augmented_image, expected, rtol=0, atol=1e-5)
-
-    def window(dy: int, dx: int) -> torch.Tensor:  # pixel (i, j) is the image's (i + dy, j + dx), zeros outside
-        return F.pad(image[0], (2, 2, 2, 2))[:, 2 + dy : 10 + dy, 2 + dx : 10 + dx]
-
     quarter_turns = [torch.rot90(image[0], k, dims=(1, 2)) for k in (1, -1)]  # not a mirror image or a shear
-    assert any(close(moved(Augmentation(rotation_degrees=90.0), angle=1.0), turned) for turned in quarter_turns)
-    assert close(moved(Augmentation(translate_fraction=0.25), shift_x=1.0), window(0, 2))  # 0.25 of 8 pixels
-    assert close(moved(Augmentation(translate_fraction=0.25), shift_y=0.0), window(-2, 0))
-    assert close(moved(Augmentation(crop_padding=2), crop_x=0.999, crop_y=0.0), window(-2, 2))
+    turned = moved(Augmentation(rotation_degrees=90.0), angle=1.0)
+    assert any(equal_up_to_grid_rounding(turned, quarter_turn) for quarter_turn in quarter_turns)
+    shifted = moved(Augmentation(translate_fraction=0.25), shift_x=1.0)  # 0.25 of 8 pixels
+    assert equal_up_to_grid_rounding(shifted, window(image[0], 0, 2))
+    shifted = moved(Augmentation(translate_fraction=0.25), shift_y=0.0)
+    assert equal_up_to_grid_rounding(shifted, window(image[0], -2, 0))
+    cropped = moved(Augmentation(crop_padding=2), crop_x=0.999, crop_y=0.0)
+    assert equal_up_to_grid_rounding(cropped, window(image[0], -2, 2))
 
 
 def test_rotation_and_translation_move_the_image_but_keep_it_on_the_grid() -> None:
