@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from app.__main__ import main
 from core.errors import UserError
@@ -310,6 +309,5 @@ def test_imported_trained_and_exported_loads_in_transformers(
 
 def shapes_in(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Each tensor of a folder's model.safetensors: its shape and dtype."""
-    with safe_open(folder / "model.safetensors", "pt") as tensors:
-        return {name: (tuple(tensors.get_tensor(name).shape), tensors.get_tensor(name).dtype)
-                for name in tensors.keys()}
+    tensors = load_file(folder / "model.safetensors")
+    return {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in tensors.items()}
