@@ -3,7 +3,7 @@ handed to the data, the model, the callbacks and ``cohort doctor``, so that none
 
     world size   = devices per node x nodes = pipeline stages x data-parallel x tensor-parallel
                                             (asynchronous: 1 parameter server + the workers)
-    global batch = micro batch x data-parallel size x accumulation
+    global batch = micro batch x data-parallel size x accumulation (x replica groups, under fault tolerance)
     micro batch  = pipeline micro-batch x pipeline_microbatches (with pipeline stages only)
 
 Ranks sit on the strategy's device mesh, row-major over (pipeline_parallel, data_parallel, tensor_parallel), the
@@ -41,6 +41,9 @@ class RunPlan:
     # workers of an asynchronous run (app/strategies/parameter_server/), rank 0 being the server; 0: the ranks step
     # together. Each update is one global batch that one worker computes: the data-parallel size is then 1
     asynchronous_workers: int = 0
+    # fault-tolerant replica groups (app/strategies/fault_tolerance.py), each a job of its own that reads
+    # global_batch_size / replica_groups samples per step; 1: one job
+    replica_groups: int = 1
 
     def __post_init__(self) -> None:
         check_ranges("trainer", {"devices": (self.devices_per_node >= 1, "at least 1 per node"),
@@ -60,9 +63,11 @@ class RunPlan:
                 f"{self.tensor_parallel_size} must equal the world size {self.world_size} ({self.devices_per_node} "
                 f"devices x {self.num_nodes} nodes): change the sizes in trainer.strategy.init_args or the devices"
             )
-        per_pass = self.micro_batch_size * self.data_parallel_size
+        per_pass = self.micro_batch_size * self.data_parallel_size * self.replica_groups
         if self.global_batch_size % per_pass != 0:
             ranks = f"{self.world_size} processes ({self.devices_per_node} devices x {self.num_nodes} nodes)"
+            if self.replica_groups > 1:
+                ranks = f"{self.replica_groups} replica groups of {ranks}"
             if self.data_parallel_size != self.world_size:
                 ranks = (f"{self.data_parallel_size} data-parallel ranks ({ranks} / tensor_parallel_size "
                          f"{self.tensor_parallel_size})")
@@ -115,9 +120,14 @@ class RunPlan:
         return 2 if self.pipeline_schedule == "Interleaved1F1B" else 1
 
     @property
+    def replica_batch_size(self) -> int:
+        """Samples one replica group reads per step: the global batch, unless fault-tolerant groups share it."""
+        return self.global_batch_size // self.replica_groups
+
+    @property
     def accumulation(self) -> int:
         """Micro-batches per optimizer step on each rank."""
-        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+        return self.replica_batch_size // (self.micro_batch_size * self.data_parallel_size)
 
     @property
     def tokens_per_step(self) -> int:
@@ -171,8 +181,9 @@ class RunPlan:
                     f"{self.accumulation} accumulation steps, computed by one of {self.asynchronous_workers} "
                     f"asynchronous workers and applied by the parameter server (rank 0) as it arrives; "
                     f"{self.tokens_per_step:,} {self.unit} per update")
+        groups = f" x {self.replica_groups} fault-tolerant replica groups" if self.replica_groups > 1 else ""
         return (f"global batch {self.global_batch_size} = micro batch {self.micro_batch_size} x "
-                f"{self.data_parallel_size} data-parallel ranks x {self.accumulation} accumulation steps; "
+                f"{self.data_parallel_size} data-parallel ranks x {self.accumulation} accumulation steps{groups}; "
                 f"{self.tokens_per_step:,} {self.unit} per optimizer step{pipeline}")
 
 

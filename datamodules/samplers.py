@@ -5,6 +5,9 @@ permutation (k = s mod steps per epoch), whatever the data-parallel size W or ac
 plan). Micro-batch a of data-parallel rank r takes the ``micro_batch_size`` positions starting at
 k*G + a*(micro*W) + r*micro. So a 1-process run and a 2-process run with the same global batch see the same samples
 in every step, ranks never share a sample, and resuming at step s only needs s: the stream restarts there.
+Fault-tolerant replica groups (app/strategies/fault_tolerance.py) cut the stream into replica batches of G / groups
+samples instead: a group's step reads replica batch u, positions [u*B, (u+1)*B), where u is the batches its job has
+committed so far plus the group's place in the step's quorum.
 
 Validation: of the N windows of val.bin it reads n (all, or fewer when limited), chosen evenly over the whole file:
 window i * N // n for i < n. So the first is window 0, neighbours are floor(N/n) or ceil(N/n) apart, the last is
@@ -16,7 +19,7 @@ no rank waits in a collective for another to finish.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch.utils.data import Sampler
@@ -41,10 +44,13 @@ class GlobalBatchSampler(Sampler[int]):
         self.plan = plan
         self.rank = data_parallel_rank
         self.current_step = current_step
-        self.steps_per_epoch = num_samples // plan.global_batch_size
+        self.steps_per_epoch = num_samples // plan.replica_batch_size
         # an asynchronous worker's steps, handed out by the parameter server (app/strategies/parameter_server/) until it
         # says stop: then the stream has no length, and no epochs
         self.assigned_steps: Callable[[], Iterator[int]] | None = None
+        # a fault-tolerant replica group's steps (app/strategies/fault_tolerance.py): each the replica batch its quorum
+        # gives it, asked for as the step starts (the loader must not read ahead: no workers, a known length)
+        self.next_step: Callable[[], int] | None = None
 
     def __len__(self) -> int:
         if self.assigned_steps is not None:
@@ -67,13 +73,17 @@ class GlobalBatchSampler(Sampler[int]):
         first, plan = self.current_step(), self.plan
         places = self.places_in_step()
         permutation, permutation_epoch = None, -1
-        steps = range(first, first + self.steps_per_epoch) if self.assigned_steps is None else self.assigned_steps()
+        steps: Iterable[int] = range(first, first + self.steps_per_epoch)
+        if self.assigned_steps is not None:
+            steps = self.assigned_steps()
+        elif self.next_step is not None:
+            steps = (self.next_step() for _ in steps)
         for step in steps:
             data_epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
             if data_epoch != permutation_epoch:
                 generator = torch.Generator().manual_seed(derive_seed(plan.seed, data_epoch))
                 permutation, permutation_epoch = torch.randperm(self.num_samples, generator=generator), data_epoch
-            yield step, permutation[step_in_epoch * plan.global_batch_size + places].tolist()
+            yield step, permutation[step_in_epoch * plan.replica_batch_size + places].tolist()
 
 
 class EvenShardSampler(Sampler[int]):

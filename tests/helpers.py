@@ -593,6 +593,18 @@ class KillRank(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class KillReplicaGroup(KillRank):
+    """KillRank for one fault-tolerant replica group: its process dies at ``step`` in its first attempt."""
+
+    def __init__(self, group: int, step: int) -> None:
+        super().__init__(0, step)
+        self.group = group
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if os.environ.get("COHORT_REPLICA_GROUP") == str(self.group):
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+
 class RecordWorldSize(Callback):
     """Writes what each rank sees of the job from inside the run: rank, world size, node rank, host."""
 

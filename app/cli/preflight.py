@@ -9,6 +9,7 @@ model or file exists.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from app.cli.launch import parent_start_time, torchrun_restart
 from app.safety.checkpoints import check_checkpoint, find_last_checkpoint
+from app.strategies.fault_tolerance import FaultTolerantStrategy, replica_group
 from app.strategies.gradient_compression import COMPRESSIONS
 from app.strategies.local_updates import UPDATE_METHODS
 from app.strategies.parameter_server.strategy import check_asynchronous
@@ -32,9 +34,15 @@ from core.run_plan import RunPlan
 from datamodules.prepare import DEFAULT_CORPUS_DIR
 from models.module import CohortModule
 
-# PipelineParallelStrategy's arguments and their defaults: the one place they are written is its signature
-PIPELINE_DEFAULTS = {name: parameter.default for name, parameter in
-                     inspect.signature(PipelineParallelStrategy.__init__).parameters.items() if name != "self"}
+
+def signature_defaults(cls: type) -> dict[str, object]:
+    """A class's arguments and their defaults: the one place a strategy's defaults are written is its signature."""
+    return {name: parameter.default for name, parameter in inspect.signature(cls.__init__).parameters.items()
+            if name != "self"}
+
+
+PIPELINE_DEFAULTS = signature_defaults(PipelineParallelStrategy)
+FAULT_TOLERANT_DEFAULTS = signature_defaults(FaultTolerantStrategy)
 
 
 class Preflight:
@@ -89,8 +97,9 @@ class Preflight:
             config.weights_only = True
         if config.ckpt_path == "last":
             config.ckpt_path = continue_last_run(config.trainer)
-        elif config.ckpt_path is None and self.subcommand == "fit" and torchrun_restart() > 0:
+        elif config.ckpt_path is None and self.subcommand == "fit" and torchrun_restart() > 0 and replica_group() is None:
             # torchrun restarted the ranks after one failed: continue this job's run, not an older one in the folder
+            # (a fault-tolerant replica group takes a live peer's state instead)
             config.ckpt_path = continue_last_run(config.trainer, written_since=parent_start_time())
         if config.ckpt_path is None and self.subcommand == "predict":
             raise UserError("predict continues prompts with trained weights: pass --ckpt_path with a checkpoint of "
@@ -136,6 +145,7 @@ def check_config(config: Namespace) -> RunPlan:
     asynchronous = is_parameter_server(trainer.strategy)
     if asynchronous:
         check_asynchronous(config, world_size, precision.name)
+    replica_groups = check_fault_tolerance(config, world_size) if is_fault_tolerant(trainer.strategy) else 1
     plan = RunPlan(
         devices_per_node=devices_per_node(trainer), num_nodes=int(trainer.num_nodes),
         data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel,
@@ -144,7 +154,7 @@ def check_config(config: Namespace) -> RunPlan:
         precision=precision, seed=config.seed_everything,
         pipeline_parallel_size=pipeline, **pipeline_options(trainer),
         unit=getattr(class_of(config.data.class_path), "unit", "tokens"),
-        asynchronous_workers=world_size - 1 if asynchronous else 0,
+        asynchronous_workers=world_size - 1 if asynchronous else 0, replica_groups=replica_groups,
     )
     check_compression(getattr(config, "gradient_compression", None), trainer.strategy, plan.world_size)
     check_local_updates(config, plan.world_size)
@@ -234,8 +244,8 @@ def parallel_sizes(trainer: Namespace) -> tuple[int, int, int]:
         pipeline, data, tensor = (int(getattr(sizes, size, PIPELINE_DEFAULTS[size]))
                                   for size in ("pipeline_parallel_size", "data_parallel_size", "tensor_parallel_size"))
         return pipeline, data, tensor
-    if is_parameter_server(trainer.strategy):
-        return 1, 1, 1  # each update is one global batch, which one worker reads
+    if is_parameter_server(trainer.strategy) or is_fault_tolerant(trainer.strategy):
+        return 1, 1, 1  # each update is one global batch, which one worker reads; a replica group is one process
     if not name.endswith("ModelParallelStrategy"):
         return 1, devices_per_node(trainer) * int(trainer.num_nodes), 1
     data_parallel = getattr(sizes, "data_parallel_size", "auto")
@@ -276,6 +286,36 @@ def check_strategy(strategy: str | Namespace | None, accelerator: str) -> None:
 
 def is_parameter_server(strategy: str | Namespace | None) -> bool:
     return strategy_name(strategy).endswith("ParameterServerStrategy")
+
+
+def is_fault_tolerant(strategy: str | Namespace | None) -> bool:
+    return strategy_name(strategy).endswith("FaultTolerantStrategy")
+
+
+def check_fault_tolerance(config: Namespace, world_size: int) -> int:
+    """A UserError for what fault-tolerant replica groups cannot run with; returns the number of groups."""
+    field = "trainer.strategy.init_args"
+    if importlib.util.find_spec("torchft") is None:
+        raise UserError("FaultTolerantStrategy needs torchft, which is not installed: pip install -e '.[ft]'")
+    if world_size != 1:
+        raise UserError(f"trainer.devices x trainer.num_nodes = {world_size} under FaultTolerantStrategy, whose replica "
+                        f"groups are one process each: set trainer.devices 1 and num_nodes 1, and raise "
+                        f"{field}.replica_groups instead")
+    workers = getattr(config.data.init_args, "num_workers", 0)
+    if workers:
+        raise UserError(f"data.num_workers={workers}: a fault-tolerant group reads each step's samples once the step's "
+                        "quorum has said which, so its loader must not read ahead: set data.num_workers 0")
+    bad_steps = getattr(config, "bad_steps", None)
+    if bad_steps is not None and bad_steps.action == "rollback":
+        raise UserError("bad_steps.action=rollback would reload one replica group's weights from its own checkpoint "
+                        "while the others go on: use stop or skip with FaultTolerantStrategy")
+    given = {name: getattr(config.trainer.strategy.init_args, name, default)
+             for name, default in FAULT_TOLERANT_DEFAULTS.items()}
+    groups = given["replica_groups"]
+    check_ranges(field, {"replica_groups": (groups >= 1, "at least 1"),
+                         "min_replicas": (1 <= given["min_replicas"] <= groups, f"between 1 and replica_groups={groups}"),
+                         "max_restarts": (given["max_restarts"] >= 0, ">= 0")}, given)
+    return int(groups)
 
 
 def is_ddp(strategy: str | Namespace | None) -> bool:

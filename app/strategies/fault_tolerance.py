@@ -1,0 +1,482 @@
+"""Fault-tolerant data parallelism with torchft: replica groups that train on without a member that died, and take it
+back, with a live peer's weights, once it restarts (configs/trainer/fault_tolerant_cpu.yaml, fault_tolerant_gpu_bf16.yaml).
+
+    cohort fit -c configs/quickstart.yaml -c configs/trainer/fault_tolerant_cpu.yaml
+
+The job. ``cohort fit`` starts torchft's lighthouse (unless ``lighthouse`` names a running one) and one torchrun per
+replica group (``python -m torch.distributed.run --standalone --max-restarts N -m app fit ...``), each with one
+process, and waits for them. A replica group is a whole copy of the model; the groups meet at each optimizer step:
+
+    quorum     before a step reads its data, each group asks the lighthouse which groups take part in the step;
+               a group that missed earlier steps (restarted) first receives the weights, optimizer state, schedule
+               and step count of a live peer over HTTP, read as data (never unpickled code), never from disk
+    average    after the step's backward, one all-reduce over the quorum's groups averages the gradient
+    commit     the groups agree that the all-reduce succeeded; only then is the optimizer step taken. A step whose
+               all-reduce failed (a group died in it) is taken by none and done again, on the same samples
+
+A group that dies is dropped from the next quorum (after the lighthouse's heartbeat timeout) and torchrun restarts
+it; the others go on without waiting for it. The job stops only if fewer than ``min_replicas`` groups are alive.
+
+Batch and learning rate. Each group reads ``data.global_batch_size / replica_groups`` samples per step (its replica
+batch); a quorum of n groups takes n replica batches, in order, from one stream over the data: the step's global
+batch is n replica batches, and the next step starts where it ended (datamodules/samplers.py). So no sample is
+skipped or read twice while the quorum is smaller; the step's batch is smaller instead, its gradient the mean over
+the n groups (an unbiased gradient, noisier), and the learning rate and its schedule stay as configured: they follow
+the committed steps. Each group logs the quorum size, the global batch of each step, its commits and recoveries
+(``fault_tolerance/*`` in TensorBoard).
+
+Per group. Each group writes TensorBoard and checkpoints to ``lightning_logs/version_N/replica_group_G/`` (all
+groups hold the same weights; any one's checkpoint resumes the job). Preemption (SIGTERM, SIGUSR1 to ``cohort``) stops
+every group after a checkpoint; the bad-step guard and the monitor work per group, on the averaged gradient.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from torch.distributed import TCPStore
+from torch.distributed._serialization import _streaming_load
+
+from app.cli.launch import torchrun_restart
+from core.errors import UserError
+from datamodules.base import ResumableDataLoader
+from datamodules.samplers import GlobalBatchSampler
+
+REPLICA_GROUP_ENV = "COHORT_REPLICA_GROUP"  # set by the job for the processes of replica group G
+JOB_STORE_ENV = "COHORT_JOB_STORE"  # host:port of the store where the job's groups count themselves in at the start
+JOB_FINISHED = "job_finished"  # the store's key once a group has trained to the end
+LIGHTHOUSE_START_SECONDS = 30.0
+
+
+def replica_group() -> int | None:
+    """This process's replica group in a fault-tolerant job; None in the process that starts the job, or elsewhere."""
+    group = os.environ.get(REPLICA_GROUP_ENV)
+    return None if group is None else int(group)
+
+
+class FaultTolerantStrategy(SingleDeviceStrategy):
+    """One process per replica group; torchft's Manager joins the groups' quorum, averages the gradient over it and
+    decides whether each step commits. In the process that starts the job, the launcher starts the groups."""
+
+    def __init__(self, replica_groups: int = 3, min_replicas: int = 1, lighthouse: str | None = None,
+                 max_restarts: int = 10, timeout: timedelta = timedelta(seconds=30),
+                 heartbeat_timeout: timedelta = timedelta(seconds=3)) -> None:
+        """
+        Args:
+            replica_groups: copies of the model, each one process; each reads global_batch_size / replica_groups
+                samples per step.
+            min_replicas: groups a step needs to commit; with fewer alive the others wait for them.
+            lighthouse: http://host:port of a running torchft lighthouse (one per job, e.g. started by the launch
+                script); null: ``cohort fit`` starts one on this machine.
+            max_restarts: times torchrun restarts a group whose process died, before the job goes on without it.
+            timeout: the longest a quorum, the gradient all-reduce or a recovery may take; a group that does not
+                answer within it is left out.
+            heartbeat_timeout: a group silent this long is dead to the lighthouse (the lighthouse this job starts).
+        """
+        super().__init__(device="cpu")  # the pre-flight checks have checked the values (app/cli/preflight.py)
+        self.replica_groups = replica_groups
+        self.min_replicas = min_replicas
+        self.lighthouse = lighthouse
+        self.max_restarts = max_restarts
+        self.timeout = timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self.manager: Any = None  # torchft's Manager, in a group's process from setup on
+        self.recoveries = 0  # peer states this group has loaded
+        self.quorum_seconds = 0.0  # spent waiting for quorums (and recoveries) since the start
+        self._training_loader: object = None
+        self.job_store: TCPStore | None = None  # the job's, where groups count in at the start and the end
+        self._rejoined = torchrun_restart() == 0  # a restarted group has rejoined once it has a live group's state
+        self._store: TCPStore | None = None
+
+    @property
+    def root_device(self) -> torch.device:
+        """The GPU the job gave this group (CUDA_VISIBLE_DEVICES holds one), else the CPU."""
+        on_gpu = isinstance(self.accelerator, CUDAAccelerator)
+        return torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+
+    def _configure_launcher(self) -> None:
+        self._launcher = None if replica_group() is not None else ReplicaGroupsLauncher(self)
+
+    # ----- in a group's process -----
+    def setup(self, trainer: L.Trainer) -> None:
+        super().setup(trainer)
+        if replica_group() is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        check_lighthouse_answers(os.environ["TORCHFT_LIGHTHOUSE"])
+        # the fault-tolerance extra (pyproject.toml): imported where it is used
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        # the store through which the quorum's groups find each other's gloo addresses (the group's own)
+        self._store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=self.timeout), load_state_dict=self._load_peer_state,
+            state_dict=self._peer_state, min_replica_size=self.min_replicas, use_async_quorum=False,
+            rank=0, world_size=1, store_addr=socket.gethostname(), store_port=self._store.port,
+            replica_id=f"replica_group_{replica_group()}", timeout=self.timeout, quorum_timeout=self.timeout,
+            checkpoint_transport=weights_only_http_transport(self.timeout),
+            init_sync=False,  # every group builds the same initial weights from the seed: nothing to send at step 0
+        )
+        trainer.callbacks.insert(0, CommittedSteps(self))
+        self.job_store = job_store(self.timeout)
+        if self.job_store is not None and torchrun_restart() == 0:
+            wait_for_every_group(self.job_store, self.replica_groups, self.timeout)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training stream reads, at each step's start, the replica batch the step's quorum gives this group."""
+        sampler = getattr(dataloader, "sampler", None)
+        if self.manager is not None and isinstance(sampler, GlobalBatchSampler):
+            sampler.next_step = self.start_step
+            self._training_loader = dataloader
+        return dataloader
+
+    def start_step(self) -> int:
+        """Join the next step's quorum (after a restart, first load a live peer's state) and return the replica batch
+        this group reads in it: the stream's batches so far committed, plus this group's place in the quorum."""
+        start = time.perf_counter()
+        self.manager.start_quorum()
+        place = self.manager.participating_rank()
+        seconds = time.perf_counter() - start
+        self.quorum_seconds += seconds
+        # asked for while the loader fetches: not time spent reading data, which the monitor reports as a stall
+        if isinstance(self._training_loader, ResumableDataLoader):
+            self._training_loader.wait_seconds -= seconds
+        if not self._rejoined:
+            self._check_rejoined()
+        # None only in a step that cannot commit (fewer than min_replicas alive): any batch will do
+        return self.manager.batches_committed() + (place or 0)
+
+    def _check_rejoined(self) -> None:
+        """After a restart, the first quorum must hold a live group to take the run's state from: alone, this
+        group would train from its initial weights. Alone because the others have finished, it ends too."""
+        alone = self.manager.num_participants() == 1 and self.replica_groups > 1 and self.recoveries == 0
+        if not alone:
+            self._rejoined = True
+            return
+        if self.job_store is not None and self.job_store.check([JOB_FINISHED]):
+            rank_zero_info(f"replica group {replica_group()} restarted after the job had finished: nothing to train")
+            raise SystemExit(0)
+        raise UserError(f"replica group {replica_group()} restarted, but no other group is alive to give it the "
+                        "run's state: resume the job from its newest checkpoint with the same command and "
+                        "--ckpt_path last")
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """After the step's last backward, the gradient averaged over the quorum, then the commit decision; a step
+        that does not commit leaves no gradient, so the optimizer changes nothing (weights, moments, step count)."""
+        if self.manager is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_average() -> Any:
+            result = closure()
+            self.average_gradients(optimizer)
+            if not self.manager.should_commit():
+                optimizer.zero_grad(set_to_none=True)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+
+    def average_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """One all-reduce of every gradient, flattened: the mean over the quorum's groups."""
+        params = [param for group in optimizer.param_groups for param in group["params"] if param.requires_grad]
+        grads = [param.grad if param.grad is not None else torch.zeros_like(param) for param in params]
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        self.manager.allreduce(flat).wait()
+        for param, part in zip(params, flat.split([grad.numel() for grad in grads])):
+            param.grad = part.view_as(param)
+
+    def _peer_state(self) -> dict[str, Any]:
+        """What a restarted group needs to train on as this one: read between steps, while this group waits in the
+        quorum."""
+        trainer = self.lightning_module.trainer
+        return {"model": self.lightning_module.state_dict(),
+                "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
+                "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]}
+
+    def _load_peer_state(self, state: dict[str, Any]) -> None:
+        rank_zero_info(f"replica group {replica_group()}: recovering with a live group's state at step "
+                       f"{self.manager.current_step()}")
+        trainer = self.lightning_module.trainer
+        self.lightning_module.load_state_dict(state["model"])
+        for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(optimizer_state)
+        for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["schedulers"]):
+            config.scheduler.load_state_dict(scheduler_state)
+        follow_committed_steps(trainer, self.manager.current_step())
+        self.recoveries += 1
+
+    def teardown(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
+        super().teardown()
+
+
+def job_store(timeout: timedelta) -> TCPStore | None:
+    """The store of the job ``cohort fit`` started; None for groups started otherwise (the launch scripts)."""
+    address = os.environ.get(JOB_STORE_ENV)
+    if address is None:
+        return None
+    host, port = address.rsplit(":", 1)
+    return TCPStore(host, int(port), is_master=False, timeout=timeout)
+
+
+def wait_for_every_group(store: TCPStore, replica_groups: int, timeout: timedelta) -> None:
+    """At the job's start, wait until every group is up, so that the first steps are not taken by the groups that
+    happened to start first (a quorum counts only the groups already up)."""
+    store.add("replica_groups_up", 1)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while store.add("replica_groups_up", 0) < replica_groups and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def follow_committed_steps(trainer: L.Trainer, step: int) -> None:
+    """Make Lightning's step count (``global_step``: the schedule, checkpoints, max_steps, logging) the committed
+    steps: Lightning counts every optimizer step it ran, also one that did not commit."""
+    loop = trainer.fit_loop.epoch_loop
+    progress = loop.automatic_optimization.optim_progress.optimizer.step.total
+    progress.ready = progress.completed = step
+    loop._batches_that_stepped = step
+    for config in trainer.lr_scheduler_configs:  # LambdaLR and its kin compute the rate from last_epoch
+        config.scheduler.last_epoch = step - 1
+        with warnings.catch_warnings():  # torch's warning that no optimizer step came first: none is meant to
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            config.scheduler.step()
+
+
+class CommittedSteps(Callback):
+    """At the end of each optimizer step, Lightning's step count set to the committed steps, and the quorum, commits
+    and recoveries logged; at the end of training, the job told that it has finished."""
+
+    def __init__(self, strategy: FaultTolerantStrategy) -> None:
+        self.strategy = strategy
+        self.failed_commits = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        plan = pl_module.run_plan
+        if not plan.ends_optimizer_step(batch_idx):
+            return
+        manager = self.strategy.manager
+        committed = manager.current_step()
+        if committed != trainer.global_step:  # the step did not commit: Lightning counted it all the same
+            self.failed_commits += 1
+            follow_committed_steps(trainer, committed)
+        quorum = manager.num_participants()
+        pl_module.log_dict({"fault_tolerance/quorum_size": float(quorum),
+                            "fault_tolerance/global_batch": float(quorum * plan.replica_batch_size),
+                            "fault_tolerance/failed_commits": float(self.failed_commits),
+                            "fault_tolerance/recoveries": float(self.strategy.recoveries),
+                            "fault_tolerance/quorum_seconds": self.strategy.quorum_seconds})
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.strategy.job_store is not None:
+            self.strategy.job_store.set(JOB_FINISHED, str(trainer.global_step))
+
+
+def weights_only_http_transport(timeout: timedelta) -> Any:
+    """torchft's HTTP transport of a recovering group's state, read with torch's weights-only unpickler: a peer's
+    state is data, and torchft's own reader would run any code its pickle asks for."""
+    from torchft.checkpointing import HTTPTransport
+
+    class WeightsOnlyHTTPTransport(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as response, \
+                    warnings.catch_warnings():  # torch's note that the received bytes back read-only tensors
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                return _streaming_load(response, weights_only=True)
+
+    return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
+
+
+# ----- in the process that starts the job -----
+class ReplicaGroupsLauncher(_Launcher):
+    """``cohort fit`` under this strategy: start the lighthouse (unless given) and one torchrun per replica group,
+    forward SIGTERM and SIGUSR1 to them, and wait. Other commands (validate, test, predict) run here, on one
+    process."""
+
+    def __init__(self, strategy: FaultTolerantStrategy) -> None:
+        self.strategy = strategy
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return False
+
+    def launch(self, function: Callable, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return function(*args, **kwargs)
+        if self.strategy.lighthouse:
+            check_lighthouse_answers(self.strategy.lighthouse)
+        run_dir = run_folder(trainer)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lighthouse = None if self.strategy.lighthouse else start_lighthouse(self.strategy, run_dir)
+        address = self.strategy.lighthouse or f"http://{socket.gethostname()}:{lighthouse[1]}"
+        store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)  # where the groups count themselves in
+        job = {"TORCHFT_LIGHTHOUSE": address, JOB_STORE_ENV: f"{socket.gethostname()}:{store.port}"}
+        groups = [self._start_group(group, job, trainer, run_dir) for group in range(self.strategy.replica_groups)]
+        stop = forward_stop_signals(groups)
+        try:
+            codes = wait_for_groups(groups, lighthouse[0] if lighthouse else None, run_dir)
+        finally:
+            for process in groups:
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGKILL)
+            if lighthouse is not None:
+                lighthouse[0].terminate()
+                lighthouse[0].wait()
+        if stop.signal:
+            raise SystemExit(128 + stop.signal)
+        failed = {group: code for group, code in enumerate(codes) if code != 0}
+        if len(failed) == len(codes):
+            raise UserError(f"every replica group failed (exit codes {list(codes)}) after torchrun's "
+                            f"{self.strategy.max_restarts} restarts each: their output above says why")
+        for group, code in failed.items():
+            print(f"cohort: replica group {group} ended with exit code {code} after torchrun's restarts; the others "
+                  "trained to the end without it", file=sys.stderr)
+        return None
+
+    def _start_group(self, group: int, job: dict[str, str], trainer: L.Trainer, run_dir: Path) -> subprocess.Popen:
+        """One torchrun for replica group ``group``, in a session of its own (a signal reaches its processes)."""
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        env = {**os.environ, **job, REPLICA_GROUP_ENV: str(group),
+               # torchrun's agent would lend its rendezvous store to a restarted attempt (pytorch/pytorch#135712)
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+               # the groups share this machine's cores
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, cpus // self.strategy.replica_groups))),
+               "RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft's own log: a few lines per step otherwise
+        if torch.cuda.is_available():
+            env["CUDA_VISIBLE_DEVICES"] = str(group)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                   "--max-restarts", str(self.strategy.max_restarts), "-m", "app", *sys.argv[1:],
+                   *group_arguments(trainer, run_dir, group)]
+        return subprocess.Popen(command, env=env, start_new_session=True)
+
+
+def run_folder(trainer: L.Trainer) -> Path:
+    """The job's lightning_logs/version_N, the same for every group (each writes into replica_group_G in it)."""
+    logger = trainer.logger
+    if isinstance(logger, TensorBoardLogger):
+        version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+        return Path(logger.root_dir) / version
+    return Path(trainer.default_root_dir) / "fault_tolerant_job"
+
+
+def group_arguments(trainer: L.Trainer, run_dir: Path, group: int) -> list[str]:
+    """What a group's command line adds to the job's: its own TensorBoard folder and checkpoint folder in the job's
+    run folder, and the checkpoint the job resumes (resolved once here, so a restarted group does not read one)."""
+    folder = run_dir / f"replica_group_{group}"
+    arguments = [f"--checkpoint.dirpath={folder / 'checkpoints'}"]
+    if isinstance(trainer.logger, TensorBoardLogger):
+        arguments += [f"--trainer.logger.init_args.version={run_dir.name}",
+                      f"--trainer.logger.init_args.sub_dir={folder.name}"]
+    if trainer.ckpt_path:
+        arguments.append(f"--ckpt_path={trainer.ckpt_path}")
+    return arguments
+
+
+def start_lighthouse(strategy: FaultTolerantStrategy, run_dir: Path) -> tuple[subprocess.Popen, int]:
+    """torchft's lighthouse on a free port of this machine, its output in the run folder; a UserError if it does not
+    answer within LIGHTHOUSE_START_SECONDS."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    heartbeat_ms = int(strategy.heartbeat_timeout.total_seconds() * 1000)
+    with open(run_dir / "lighthouse.log", "ab") as log:  # the lighthouse writes to its own copy of the file
+        process = subprocess.Popen(
+            [lighthouse_program(), "--min_replicas", str(strategy.min_replicas),
+             "--bind", f"[::]:{port}", "--heartbeat_timeout_ms", str(heartbeat_ms),
+             # a quorum waits this long for a group that is alive but late before it starts without it
+             "--join_timeout_ms", str(heartbeat_ms)],
+            stdout=log, stderr=log, start_new_session=True)
+    deadline = time.monotonic() + LIGHTHOUSE_START_SECONDS
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise UserError(f"torchft's lighthouse exited with code {process.returncode} at start: "
+                            f"{run_dir / 'lighthouse.log'} says why")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return process, port
+        except OSError:
+            time.sleep(0.1)
+    process.kill()
+    raise UserError(f"torchft's lighthouse did not answer on port {port} within {LIGHTHOUSE_START_SECONDS:.0f} s: "
+                    f"{run_dir / 'lighthouse.log'} says why")
+
+
+def check_lighthouse_answers(address: str) -> None:
+    """A UserError unless something listens at the lighthouse's http://host:port."""
+    parsed = urllib.parse.urlparse(address)
+    if parsed.hostname is None or parsed.port is None:
+        raise UserError(f"lighthouse {address!r} is not an address: give http://host:port of a running "
+                        "torchft_lighthouse, or null to start one with the job")
+    try:
+        socket.create_connection((parsed.hostname, parsed.port), timeout=5).close()
+    except OSError as error:
+        raise UserError(f"the lighthouse at {address} does not answer ({error.strerror or error}): start it "
+                        "(torchft_lighthouse --min_replicas N --bind [::]:PORT) or give trainer.strategy.init_args."
+                        "lighthouse null to let cohort start one") from None
+
+
+def lighthouse_program() -> str:
+    """torchft's lighthouse, installed with it beside this interpreter (a virtual environment's bin/), or on PATH."""
+    beside = Path(sys.executable).parent / "torchft_lighthouse"
+    found = str(beside) if beside.is_file() else shutil.which("torchft_lighthouse")
+    if found is None:
+        raise UserError("torchft_lighthouse, which comes with torchft, is neither beside this Python nor on PATH: "
+                        "pip install -e '.[ft]' in the environment that runs cohort")
+    return found
+
+
+class StopSignals:
+    """The stop signal the job received (0: none), forwarded to every group."""
+
+    def __init__(self, groups: list[subprocess.Popen]) -> None:
+        self.groups = groups
+        self.signal = 0
+
+    def forward(self, signum: int, frame: Any) -> None:
+        self.signal = signum
+        for process in self.groups:  # torchrun's agent stops its processes with SIGTERM: they checkpoint and stop
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+
+
+def forward_stop_signals(groups: list[subprocess.Popen]) -> StopSignals:
+    stop = StopSignals(groups)
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(signum, stop.forward)
+    return stop
+
+
+def wait_for_groups(groups: list[subprocess.Popen], lighthouse: subprocess.Popen | None, run_dir: Path) -> list[int]:
+    """The groups' exit codes once all have ended; a UserError if the lighthouse this job started dies first."""
+    while any(process.poll() is None for process in groups):
+        if lighthouse is not None and lighthouse.poll() is not None:
+            raise UserError(f"torchft's lighthouse exited with code {lighthouse.returncode} while the groups trained, "
+                            f"so they could not agree on another step: {run_dir / 'lighthouse.log'} says why; resume "
+                            "with the same command and --ckpt_path last")
+        time.sleep(0.2)
+    return [process.returncode for process in groups]
+

@@ -1,0 +1,88 @@
+"""Fault-tolerant replica groups (app/strategies/fault_tolerance.py): groups that train as one process does, a group
+killed mid-run that comes back with a live group's state while the others go on, and one line for what cannot run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import (
+    CONFIG_DIR,
+    assert_comparable_runs_agree,
+    assert_one_line_error_in_process,
+    assert_weights_equal,
+    batch_sizes,
+    fit,
+    free_port,
+    last_checkpoint_contents,
+    scalars,
+)
+
+FAULT_TOLERANT = ["-c", str(CONFIG_DIR / "trainer/fault_tolerant_cpu.yaml")]
+GROUPS = "--trainer.strategy.init_args.replica_groups"
+
+
+def group_run(job_dir: Path, group: int) -> Path:
+    """A folder that looks like a one-process run's (lightning_logs/version_0) onto one group of a job's run, so the
+    helpers that read runs read it."""
+    view = job_dir / f"group_{group}"
+    (view / "lightning_logs").mkdir(parents=True, exist_ok=True)
+    link = view / "lightning_logs" / "version_0"
+    if not link.exists():
+        link.symlink_to(job_dir / "lightning_logs" / "version_0" / f"replica_group_{group}")
+    return view
+
+
+@pytest.mark.slow
+def test_two_replica_groups_train_as_one_process_does(tmp_path: Path, comparable_run_args: list[str],
+                                                      one_process_comparable_run: Path) -> None:
+    """Each group reads half of every global batch, and the gradient is their mean: the same steps as one process
+    reading the whole batch, up to the order of sums (the tolerances of assert_comparable_runs_agree)."""
+    job = fit(tmp_path, [*comparable_run_args, *FAULT_TOLERANT, GROUPS, "2"])
+    for group in range(2):
+        assert_comparable_runs_agree(one_process_comparable_run, group_run(job, group))
+        assert scalars(group_run(job, group), "fault_tolerance/quorum_size") == [2.0] * 4
+
+
+@pytest.mark.slow
+def test_a_killed_group_rejoins_with_a_live_groups_state(tmp_path: Path, debug_run_args: list[str]) -> None:
+    """Group 1 dies at step 3; torchrun restarts it and it takes a live group's weights, optimizer state and step,
+    while the other two train on. Every group ends at the last step with the same weights, bitwise. Each step
+    sleeps 0.2 s, so the 20 s of training left outlast a restart (a new interpreter: about 5 s on 2 busy cores)."""
+    steps = 100
+    job = fit(tmp_path, [*debug_run_args, *FAULT_TOLERANT, GROUPS, "3", *batch_sizes(12, 4), "--trainer.max_steps", str(steps),
+                         "--trainer.limit_val_batches", "0",
+                         "--trainer.callbacks+=tests.helpers.KillReplicaGroup",
+                         "--trainer.callbacks.group=1", "--trainer.callbacks.step=3",
+                         "--trainer.callbacks+=tests.helpers.SlowRank",
+                         "--trainer.callbacks.rank=0", "--trainer.callbacks.seconds=0.2"])
+    finals = [last_checkpoint_contents(group_run(job, group)) for group in range(3)]
+    assert [final["global_step"] for final in finals] == [steps] * 3
+    for final in finals[1:]:
+        assert_weights_equal(finals[0]["state_dict"], final["state_dict"])
+    assert scalars(group_run(job, 1), "fault_tolerance/recoveries")[-1] == 1.0
+    quorum = scalars(group_run(job, 0), "fault_tolerance/quorum_size")
+    assert quorum[0] == 3.0 and 2.0 in quorum, quorum  # all three at the start, two while group 1 was down
+    assert len(quorum) >= steps  # every committed step logged (a step that failed to commit is logged and redone)
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    ([GROUPS, "2", "--trainer.strategy.init_args.min_replicas", "3"], "min_replicas=3 must be between 1 and"),
+    (["--trainer.devices", "2"], "set trainer.devices 1 and num_nodes 1, and raise"),
+    (["--data.num_workers", "2"], "data.num_workers=2: a fault-tolerant group reads"),
+    (["--bad_steps.action", "rollback"], "bad_steps.action=rollback would reload one replica group"),
+    (batch_sizes(12, 4), "data.global_batch_size=12 is not a multiple of data.micro_batch_size=4 x 2 replica groups"),
+])
+def test_what_replica_groups_cannot_run_is_one_line(args: list[str], expected: str, tmp_path: Path,
+                                                    debug_run_args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    assert_one_line_error_in_process(["fit", *debug_run_args, *FAULT_TOLERANT, *args], tmp_path, expected, monkeypatch)
+
+
+def test_a_lighthouse_that_does_not_answer_is_one_line(tmp_path: Path, debug_run_args: list[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    address = f"http://127.0.0.1:{free_port()}"
+    line = assert_one_line_error_in_process(
+        ["fit", *debug_run_args, *FAULT_TOLERANT, *batch_sizes(8, 4), "--trainer.strategy.init_args.lighthouse", address], tmp_path, f"the lighthouse at {address} does not answer",
+        monkeypatch)
+    assert "torchft_lighthouse" in line
