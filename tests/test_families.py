@@ -19,12 +19,14 @@ from core.seeding import derive_seed
 from core.tokens import IGNORE_INDEX
 from models.masked_language_model import BertMaskedLanguageModel
 from tests.helpers import (
-    COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, adam_weight_drift, assert_comparable_runs_agree,
-    assert_weights_agree, assert_weights_equal, fit, fit_in_process, fit_killed_mid_accumulation, last_checkpoint,
-    last_checkpoint_contents, last_checkpoint_weights, one_line_error, process_state_kept, scalars,
+    COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, QUICKSTART, SAME_VALIDATION_LOSS, adam_weight_drift,
+    assert_comparable_runs_agree, assert_weights_agree, assert_weights_equal, fit, fit_in_process,
+    fit_killed_mid_accumulation, last_checkpoint, last_checkpoint_contents, last_checkpoint_weights, one_line_error,
+    process_state_kept, scalars, shrunk, validate,
 )
 
 BERT = ["-c", str(CONFIG_DIR / "bert-small/pretrain.yaml")]
+PIPELINE = ["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")]
 DIGITS = ["-c", str(CONFIG_DIR / "resnet-small/digits.yaml")]
 
 
@@ -57,7 +59,7 @@ def bert_straight(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) -
     (MODEL_PARALLEL, 2),
     ([*MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
       "--trainer.strategy.init_args.tensor_parallel_size", "2"], 1),
-    (["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")], 1),
+    (PIPELINE, 1),
     (["-c", str(CONFIG_DIR / "trainer/async_ps_cpu.yaml"), "--trainer.devices", "2",
       "--trainer.strategy.init_args.max_staleness", "0", "--trainer.strategy.init_args.staleness_policy", "drop"], 1),
 ], ids=["ddp", "fsdp2", "tensor-parallel", "pipeline", "asynchronous-one-worker"])
@@ -76,6 +78,29 @@ def test_bert_trains_under_every_strategy_as_one_process_does(tmp_path: Path, by
     else:
         assert scalars(run, "train/grad_norm") == pytest.approx(scalars(bert_straight, "train/grad_norm"), rel=1e-4)
         assert_weights_agree(bert_straight, run)
+
+
+# 35 validation samples: 18 and 17 on 2 data-parallel ranks, one of them padding
+UNEVEN_VALIDATION = ["--data.val_samples", "35"]
+
+
+def assert_validates_alike_on_one_and_two_processes(tmp_path: Path, run: Path, args: list[str]) -> None:
+    """``cohort validate`` of ``run``'s last checkpoint on UNEVEN_VALIDATION gives the same val/loss on one process as
+    on 2 (DDP, the ddp_cpu preset)."""
+    losses = []
+    for name, layout in (("one-process", []), ("ddp", ["-c", str(CONFIG_DIR / "trainer/ddp_cpu.yaml")])):
+        (tmp_path / name).mkdir()
+        losses.append(validate(tmp_path / name, [*args, *layout, *UNEVEN_VALIDATION, "--ckpt_path",
+                                                 str(last_checkpoint(run))]))
+    assert losses[1] == pytest.approx(losses[0], rel=SAME_VALIDATION_LOSS)
+
+
+@pytest.mark.slow
+def test_a_gpt_checkpoint_validates_to_the_same_loss_on_one_and_two_processes(tmp_path: Path,
+                                                                              byte_corpus: Path) -> None:
+    """The quickstart recipe made small: a 3-step checkpoint of the debug model."""
+    args = [*QUICKSTART, *shrunk(byte_corpus, 3)]
+    assert_validates_alike_on_one_and_two_processes(tmp_path, fit_in_process(tmp_path / "run", args), args)
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +225,7 @@ def test_the_same_seed_reproduces_a_digits_run_and_a_resume_continues_it_bitwise
     ([*BERT, "--model.model_name", "bert-huge"], "unknown model.model_name 'bert-huge'"),
     ([*BERT, "--data.sequence_length", "256"], "data.sequence_length=256 exceeds the 128 positions"),
     ([*DIGITS, "--model.model_name", "resnet-1000"], "unknown model.model_name 'resnet-1000'"),
-    ([*DIGITS, "-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")], "ImageClassifier has no pipeline split"),
+    ([*DIGITS, *PIPELINE], "ImageClassifier has no pipeline split"),
     ([*DIGITS, *MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
       "--trainer.strategy.init_args.tensor_parallel_size", "2"], "ImageClassifier has no tensor-parallel plan"),
     ([*DIGITS, "--data.data_dir", "no_such_folder"], "no_such_folder"),
