@@ -167,7 +167,7 @@ class RunPlan:
     def evaluation_place(self, data_parallel_rank: int, sample_in_rank: int) -> int:
         """Which of an evaluation's chosen samples is the ``sample_in_rank``-th that ``data_parallel_rank`` reads:
         they are dealt out in turn, so rank r reads places r, r + W, r + 2W, ... (W the data-parallel size), and a
-        place names the same sample at any W (datamodules/samplers.py reads them there)."""
+        place names the same sample at any W (datamodules/samplers.py reads them there, BERT masks by them)."""
         return sample_in_rank * self.data_parallel_size + data_parallel_rank
 
     def starts_optimizer_step(self, batch_index: int) -> bool:
