@@ -14,6 +14,7 @@ every rank is its own data-parallel rank.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from core.errors import UserError, check_ranges
@@ -162,6 +163,22 @@ class RunPlan:
         data-parallel rank r is group a x data-parallel size + r, the samples at places [group x micro,
         (group + 1) x micro) of the global batch (datamodules/samplers.py reads them there)."""
         return micro_batch_in_step * self.data_parallel_size + data_parallel_rank
+
+    def evaluation_samples_per_rank(self, num_chosen: int) -> int:
+        """How many samples each data-parallel rank reads when an evaluation reads ``num_chosen``: its share,
+        ceil(num_chosen / data-parallel size), the same on every rank so that none waits for another in a collective;
+        with pipeline stages rounded up to whole micro-batches, since the stages exchange tensors of the shapes they
+        first agreed on. Places from num_chosen on are padding, which counts for nothing."""
+        per_rank = math.ceil(num_chosen / self.data_parallel_size)
+        if self.pipeline_parallel_size > 1:
+            per_rank = math.ceil(per_rank / self.micro_batch_size) * self.micro_batch_size
+        return per_rank
+
+    def evaluation_place(self, data_parallel_rank: int, sample_in_rank: int) -> int:
+        """Which of an evaluation's chosen samples is the ``sample_in_rank``-th that ``data_parallel_rank`` reads:
+        they are dealt out in turn, so rank r reads places r, r + W, r + 2W, ... (W the data-parallel size), and a
+        place names the same sample at any W (datamodules/samplers.py reads them there, BERT masks by them)."""
+        return sample_in_rank * self.data_parallel_size + data_parallel_rank
 
     def starts_optimizer_step(self, batch_index: int) -> bool:
         return self.micro_batch_in_step(batch_index) == 0

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.utils.data import DataLoader, Dataset
 
 from core.errors import UserError
 from core.run_plan import RunPlan, run_plan_of
@@ -93,32 +93,35 @@ class ShardedDataModule(L.LightningDataModule):
         return self.evaluation_dataloader("limit_test_batches", self.trainer.limit_test_batches)
 
     def evaluation_dataloader(self, limit_name: str, limit_batches: int | float) -> DataLoader:
-        """The validation samples that validation (or test) reads, spread evenly over the whole set."""
+        """The validation samples that validation (or test) reads, spread evenly over the whole set and dealt out over
+        the data-parallel ranks (datamodules/samplers.py)."""
         assert self.val_set is not None
         plan = run_plan_of(self)
-        rank, data_parallel_size = plan.data_parallel_rank(self.trainer.global_rank), plan.data_parallel_size
-        num_chosen = self.evaluation_sample_count(limit_name, limit_batches, data_parallel_size)
-        sampler: Sampler[int] = EvenShardSampler(len(self.val_set), num_chosen, rank, data_parallel_size)
+        num_chosen = self.evaluation_sample_count(limit_name, limit_batches, plan)
+        rank = plan.data_parallel_rank(self.trainer.global_rank)
+        sampler = EvenShardSampler(len(self.val_set), num_chosen, plan, rank)
         return DataLoader(self.val_set, sampler=sampler, **self.loader_options())
 
-    def evaluation_sample_count(self, limit_name: str, limit_batches: int | float, data_parallel_size: int) -> int:
-        """How many samples all ranks read together: ``val_samples``, capped by an int Lightning limit (micro-batches
-        per rank). Left to itself, Lightning would stop each rank after its first batches, which lie at the start of
-        the set; a loader that holds only the samples to read, spread out, leaves it nothing to cut."""
+    def evaluation_sample_count(self, limit_name: str, limit_batches: int | float, plan: RunPlan) -> int:
+        """How many samples all ranks read together: ``val_samples`` (None: the whole set), the same at any world size.
+        An int Lightning limit keeps the meaning Lightning gives it, micro-batches per rank, so it caps the count at
+        limit x micro batch x data-parallel size, a count that grows with the world size: when it is what decides the
+        count, one line says so. Left to itself, Lightning would stop each rank after its first batches, which lie at
+        the start of the set; a loader that holds only the samples to read, spread out, leaves it nothing to cut."""
         assert self.val_set is not None
         count = min(len(self.val_set), self.val_samples or len(self.val_set))
         if isinstance(limit_batches, float) and limit_batches < 1.0:
             raise UserError(f"trainer.{limit_name}={limit_batches} is a fraction, which Lightning takes from the start "
-                            "of the validation set: give micro-batches per rank (an int) or set data.val_samples")
+                            "of the validation set: set data.val_samples (a count of samples spread over the set, the "
+                            "same at any world size) instead")
         if isinstance(limit_batches, int):
-            count = min(count, limit_batches * self.micro_batch_size * data_parallel_size)
-        if run_plan_of(self).pipeline_parallel_size > 1:
-            # a pipeline's stages exchange tensors of the shapes they first agreed on: whole micro-batches only
-            count -= count % (self.micro_batch_size * data_parallel_size)
-            if count == 0:
-                raise UserError(f"validation reads fewer samples than one micro batch on each of the "
-                                f"{data_parallel_size} data-parallel ranks, which a pipeline needs: raise "
-                                "data.val_samples or trainer.limit_val_batches")
+            limited = limit_batches * self.micro_batch_size * plan.data_parallel_size
+            if 0 < limited < count:
+                rank_zero_info(f"trainer.{limit_name}={limit_batches} reads {limited} samples: Lightning counts it in "
+                               f"micro-batches of {self.micro_batch_size} on each of {plan.data_parallel_size} "
+                               "data-parallel ranks, so it changes with the world size; data.val_samples sets a count "
+                               "that does not")
+            count = min(count, limited)
         return count
 
     def loader_options(self) -> dict[str, Any]:

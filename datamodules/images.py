@@ -139,7 +139,8 @@ class ImageClassificationDataModule(ShardedDataModule):
             micro_batch_size: samples per forward/backward on one device.
             val_fraction: the share of each class held out for validation when there is no val/ folder; a fixed
                 draw, the same at any world size and seed.
-            val_samples: validate on N samples spread evenly over the validation set; None for all.
+            val_samples: validate on N samples spread evenly over the validation set and shared out over the
+                data-parallel ranks: the same samples at any world size; None for all.
             num_workers: DataLoader worker processes per rank (they augment too).
             pin_memory: page-locked host batches for faster copies to GPUs.
             crop_padding: random crop: pad each side with this many zero pixels, cut back to the image size.

@@ -40,10 +40,10 @@ class LanguageModelingDataModule(ShardedDataModule):
             sequence_length: tokens per sample (at most the model's block_size).
             global_batch_size: samples per optimizer step, over all ranks and accumulation steps.
             micro_batch_size: samples per forward/backward on one device.
-            val_samples: validate on N windows spread evenly over val.bin (window i * len // N), the same windows
-                at any world size. An int trainer.limit_val_batches spreads its windows the same way: limit x
-                micro_batch_size x data-parallel size of them, a total that grows with the world size because
-                Lightning counts that limit per rank.
+            val_samples: validate on N windows spread evenly over val.bin (window i * len // N), shared out over the
+                data-parallel ranks: the same windows at any world size; None: all of them. An int
+                trainer.limit_val_batches keeps Lightning's meaning (micro-batches per rank) and caps N at limit x
+                micro_batch_size x data-parallel size, a total that grows with the world size.
             num_workers: DataLoader worker processes per rank.
             pin_memory: page-locked host batches for faster copies to GPUs.
             prompts: texts that ``predict`` continues (byte-level vocabulary).

@@ -9,16 +9,16 @@ Fault-tolerant replica groups (app/strategies/fault_tolerance.py) cut the stream
 samples instead: a group's step reads replica batch u, positions [u*B, (u+1)*B), where u is the batches its job has
 committed so far plus the group's place in the step's quorum.
 
-Validation: of the N windows of val.bin it reads n (all, or fewer when limited), chosen evenly over the whole file:
-window i * N // n for i < n. So the first is window 0, neighbours are floor(N/n) or ceil(N/n) apart, the last is
+Validation: of the N windows of val.bin it reads n (all, or ``data.val_samples``), chosen evenly over the whole file:
+place i < n is window i * N // n. So the first is window 0, neighbours are floor(N/n) or ceil(N/n) apart, the last is
 within one such stride of the end, and n alone decides which windows, whatever W (and after a resume). Rank r reads
-i = r, r + W, r + 2W, ...: every chosen window exactly once; ranks get equal counts, padded with PADDING_INDEX, so
-no rank waits in a collective for another to finish.
+places i = r, r + W, r + 2W, ... (``RunPlan.evaluation_place``): every chosen window exactly once. Ranks read equal
+counts (``RunPlan.evaluation_samples_per_rank``: whole micro-batches under a pipeline), padded with PADDING_INDEX
+samples that count for nothing, so no rank waits in a collective for another to finish.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -87,20 +87,22 @@ class GlobalBatchSampler(Sampler[int]):
 
 
 class EvenShardSampler(Sampler[int]):
-    """The ``num_chosen`` windows i * num_windows // num_chosen, i = rank, rank + W, ...; ranks short of
-    ceil(num_chosen / W) windows are padded. With num_chosen == num_windows that is every window."""
+    """A data-parallel rank's share of the ``num_chosen`` windows spread over ``num_windows``: place i is window
+    i * num_windows // num_chosen, and places past num_chosen are PADDING_INDEX. With num_chosen == num_windows that
+    is every window."""
 
-    def __init__(self, num_windows: int, num_chosen: int, rank: int, world_size: int) -> None:
+    def __init__(self, num_windows: int, num_chosen: int, plan: RunPlan, data_parallel_rank: int) -> None:
         if not 0 <= num_chosen <= num_windows:
             raise ValueError(f"num_chosen={num_chosen} must be between 0 and num_windows={num_windows}")
         self.num_windows = num_windows
         self.num_chosen = num_chosen
-        self.rank = rank
-        self.world_size = world_size
+        self.plan = plan
+        self.rank = data_parallel_rank
 
     def __len__(self) -> int:
-        return math.ceil(self.num_chosen / self.world_size)
+        return self.plan.evaluation_samples_per_rank(self.num_chosen)
 
     def __iter__(self) -> Iterator[int]:
-        for i in range(self.rank, len(self) * self.world_size, self.world_size):
-            yield i * self.num_windows // self.num_chosen if i < self.num_chosen else PADDING_INDEX
+        for sample_in_rank in range(len(self)):
+            place = self.plan.evaluation_place(self.rank, sample_in_rank)
+            yield place * self.num_windows // self.num_chosen if place < self.num_chosen else PADDING_INDEX

@@ -4,8 +4,9 @@ RoBERTa showed it does not help), on the same token files as the GPT.
 Each (B, T) window of the data becomes one sequence: [CLS], the window's tokens 1 .. T-2, [SEP]. Its corruption
 (models/masking.py) is drawn from a generator seeded by (seed, optimizer step, the micro-batch's place in the step's
 global batch), so masks differ across ranks and steps, a resumed run masks exactly as the uninterrupted one did, and
-a run on 2 processes masks its samples as a run on 1 does. Validation masks follow from (seed, data-parallel rank,
-batch), the same in every validation.
+a run on 2 processes masks its samples as a run on 1 does. A validation sample's masks follow from (seed, its place
+among the chosen validation samples), drawn on the CPU: the same in every validation, at any world size, on any
+device, so that validation losses of runs on 1 CPU and on N GPUs compare.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class BertMaskedLanguageModel(CohortModule):
         self.config = bert_config(model_name, vocab_size=model_vocab_size, dropout=dropout)
         self.val_loss = MeanMetric()
         self.val_accuracy = MeanMetric()
+        self.validation_samples_read = 0  # by this rank in this validation: where its next micro-batch starts
 
     # ----- the family's part of CohortModule -----
     def plain_network(self) -> BERT:
@@ -104,14 +106,15 @@ class BertMaskedLanguageModel(CohortModule):
 
     def prepare_batch(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[CLS] window [SEP], masked: in training by the micro-batch's place in the step's global batch
-        (``mask_seed``), in validation by (data-parallel rank, batch), the same in every validation. Padding windows
-        (all their targets IGNORE_INDEX) get no labels."""
-        plan = run_plan_of(self)
+        (``mask_seed``), in validation sample by sample (``validation_masked``). Padding windows (all their targets
+        IGNORE_INDEX) get no labels."""
+        plan, window = run_plan_of(self), batch[0]
         if self.trainer.training:
-            seed = self.mask_seed(plan, self.global_rank, self.global_step, batch_idx)
+            inputs, labels = self.masked(window, self.mask_seed(plan, self.global_rank, self.global_step, batch_idx))
         else:
-            seed = derive_seed(plan.seed, "validation mask", plan.data_parallel_rank(self.global_rank), batch_idx)
-        inputs, labels = self.masked(batch[0], seed)
+            first = self.validation_samples_read
+            self.validation_samples_read += len(window)
+            inputs, labels = self.validation_masked(window, plan, plan.data_parallel_rank(self.global_rank), first)
         return inputs, labels.masked_fill(batch[1] == IGNORE_INDEX, IGNORE_INDEX)
 
     def pipeline_split(self) -> PipelineSplit:
@@ -168,6 +171,21 @@ class BertMaskedLanguageModel(CohortModule):
         alike, and the same samples get the same masks at any world size with the same micro batch."""
         group = plan.micro_batch_group(plan.data_parallel_rank(global_rank), plan.micro_batch_in_step(batch_idx))
         return derive_seed(plan.seed, "mask", step, group)
+
+    def on_validation_epoch_start(self) -> None:
+        self.validation_samples_read = 0
+
+    def validation_masked(self, window: torch.Tensor, plan: RunPlan, data_parallel_rank: int,
+                          first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``masked`` for a validation micro-batch whose samples are ``data_parallel_rank``'s ``first``-th, next, ...
+        in its share, each with its own seed: (seed, the sample's place among the chosen validation samples,
+        ``RunPlan.evaluation_place``), which names the same sample at any world size. Drawn on the CPU, whose generator
+        does not depend on the device the run uses (a copy of a few kilobytes per validation micro-batch)."""
+        rows = [self.masked(row[None], derive_seed(plan.seed, "validation mask",
+                                                   plan.evaluation_place(data_parallel_rank, first + i)))
+                for i, row in enumerate(window.cpu())]
+        inputs, labels = (torch.cat(parts).to(window.device) for parts in zip(*rows))
+        return inputs, labels
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """The loss and the share of masked tokens predicted right; under a pipeline the loss only (the logits stay

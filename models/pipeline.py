@@ -308,9 +308,10 @@ class Pipeline:
         return self._shared_loss(losses, accumulation)
 
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean loss, token count) of the micro-batch, on every pipeline rank."""
-        tokens = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        self._loss_denominator = tokens
+        """(mean loss, token count) of the micro-batch, on every pipeline rank. A micro-batch of padding alone (see
+        RunPlan.evaluation_samples_per_rank) still runs through the stages, as a loss of 0 that counts 0 tokens."""
+        tokens = (targets != IGNORE_INDEX).sum()
+        self._loss_denominator = tokens.clamp(min=1)
         losses: list[torch.Tensor] = []
         busy = [stage.busy_seconds for stage in self.stages]
         self.schedule.eval(inputs if self.has_first else None, target=targets if self.has_last else None,

@@ -118,12 +118,19 @@ def test_every_field_carries_a_comment(path: Path) -> None:
     assert not undocumented, f"fields without a comment in {path}: {undocumented}"
 
 
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.parent.name + "/" + p.stem)
+def test_recipes_validate_the_same_samples_at_any_world_size(recipe: Path) -> None:
+    """A recipe limits validation with data.val_samples, a count of samples; an int trainer.limit_val_batches counts
+    micro-batches per rank, so the samples, and val/loss, would change with the world size."""
+    assert "limit_val_batches" not in yaml.safe_load(recipe.read_text()).get("trainer", {})
+
+
 @pytest.mark.slow
 def test_quickstart_runs_on_two_processes(tmp_path: Path, byte_corpus: Path) -> None:
     """The README's scaling line: the quickstart recipe with the ddp_cpu preset composed after it."""
     result = run_cohort(["fit", *QUICKSTART, "-c", str(REPO_ROOT / "configs/trainer/ddp_cpu.yaml"), *QUIET,
                          "--data.data_dir", str(byte_corpus), "--trainer.max_steps", "2",
-                         "--trainer.limit_val_batches", "2", "--val_every_n_steps", "2",
+                         "--data.val_samples", "32", "--val_every_n_steps", "2",
                          "--model.max_new_tokens", "5"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "global batch 32 = micro batch 16 x 2 data-parallel ranks x 1 accumulation steps" in result.stdout + result.stderr

@@ -88,11 +88,28 @@ def test_sampler_length_is_whole_steps() -> None:
     assert sampler.plan.accumulation == 4 and len(sampler) == STEPS_PER_EPOCH * 8 == len(list(sampler))
 
 
-def chosen_windows(num_windows: int, num_chosen: int, world_size: int) -> list[int]:
-    """The windows all ranks read together, checking on the way that every rank reads the same number."""
-    shards = [list(EvenShardSampler(num_windows, num_chosen, rank, world_size)) for rank in range(world_size)]
-    assert len({len(shard) for shard in shards}) == 1  # nobody waits for a rank with more batches
-    return [i for shard in shards for i in shard if i != PADDING_INDEX]
+def evaluation_plan(data_parallel_size: int, micro: int = 2, pipeline_stages: int = 1) -> RunPlan:
+    """``data_parallel_size`` ranks, each a pipeline of ``pipeline_stages`` where that is more than 1. Evaluation
+    reads by data-parallel rank and micro batch only; any global batch the ranks divide will do."""
+    return RunPlan(devices_per_node=data_parallel_size * pipeline_stages, num_nodes=1,
+                   data_parallel_size=data_parallel_size, tensor_parallel_size=1,
+                   global_batch_size=micro * data_parallel_size, micro_batch_size=micro, sequence_length=10,
+                   precision=PRECISIONS["32-true"], seed=7, pipeline_parallel_size=pipeline_stages,
+                   pipeline_microbatches=pipeline_stages)
+
+
+def rank_shares(num_windows: int, num_chosen: int, plan: RunPlan) -> list[list[int]]:
+    """What each data-parallel rank reads, padding included, checking on the way that every rank reads as many
+    (nobody waits in a collective for a rank with more batches)."""
+    shares = [list(EvenShardSampler(num_windows, num_chosen, plan, rank)) for rank in range(plan.data_parallel_size)]
+    assert len({len(share) for share in shares}) == 1
+    return shares
+
+
+def chosen_windows(num_windows: int, num_chosen: int, world_size: int, pipeline_stages: int = 1) -> list[int]:
+    """The windows all ranks read together, padding left out."""
+    shares = rank_shares(num_windows, num_chosen, evaluation_plan(world_size, pipeline_stages=pipeline_stages))
+    return [i for share in shares for i in share if i != PADDING_INDEX]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -115,8 +132,31 @@ def test_limited_validation_reads_the_same_windows_at_any_world_size() -> None:
     reference = sorted(chosen_windows(1000, 64, 1))
     for world_size in (2, 3, 4):
         assert sorted(chosen_windows(1000, 64, world_size)) == reference
-    sampler = EvenShardSampler(1000, 64, 1, 2)
+    sampler = EvenShardSampler(1000, 64, evaluation_plan(2), 1)
     assert list(sampler) == list(sampler)  # nothing random or stateful: a resumed run validates the same windows
+
+
+@pytest.mark.parametrize("num_chosen", [1, 7, 64, 99])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_pipeline_ranks_read_whole_micro_batches_of_the_same_windows_padded(num_chosen: int, world_size: int) -> None:
+    """A pipeline's stages need whole micro-batches (here of 4): each rank's share is padded up to them, so the
+    windows read are still exactly the num_chosen of any other layout, at any world size."""
+    shares = rank_shares(1000, num_chosen, evaluation_plan(world_size, micro=4, pipeline_stages=2))
+    assert len(shares[0]) % 4 == 0 and len(shares[0]) - math.ceil(num_chosen / world_size) < 4
+    assert sorted(chosen_windows(1000, num_chosen, world_size, pipeline_stages=2)) == sorted(
+        chosen_windows(1000, num_chosen, 1))
+
+
+def test_a_sample_keeps_its_place_among_the_chosen_at_any_world_size() -> None:
+    """Place i is window i * N // n, read by rank i mod W as its (i div W)-th sample: what BERT keys its validation
+    masks by."""
+    reference = rank_shares(1000, 9, evaluation_plan(1))[0]
+    for world_size in (2, 3, 4):
+        plan = evaluation_plan(world_size)
+        for rank, share in enumerate(rank_shares(1000, 9, plan)):
+            for sample_in_rank, window in enumerate(share):
+                place = plan.evaluation_place(rank, sample_in_rank)
+                assert window == (reference[place] if place < 9 else PADDING_INDEX)
 
 
 def stub_trainer(rank: int, limit_val_batches: int | float) -> SimpleNamespace:
@@ -128,9 +168,7 @@ def validation_windows(datamodule: LanguageModelingDataModule, world_size: int,
                        limit_val_batches: int | float = 1.0) -> list[int]:
     """The val.bin windows that all ranks of a ``world_size`` run read together."""
     windows = []
-    # validation reads by data-parallel rank only; any global batch the ranks divide will do
-    datamodule.run_plan = data_parallel_plan(world_size, global_batch=datamodule.micro_batch_size * world_size,
-                                             micro=datamodule.micro_batch_size)
+    datamodule.run_plan = evaluation_plan(world_size, micro=datamodule.micro_batch_size)
     for rank in range(world_size):
         datamodule.trainer = stub_trainer(rank, limit_val_batches)
         windows += [i for i in datamodule.val_dataloader().sampler if i != PADDING_INDEX]
@@ -156,17 +194,25 @@ def test_val_samples_are_spread_and_the_same_at_any_world_size(
         assert sorted(validation_windows(ten_thousand_token_datamodule, world_size)) == reference
 
 
-def test_an_integer_limit_reads_its_batches_per_rank_spread_over_the_file(
-        ten_thousand_token_datamodule: LanguageModelingDataModule) -> None:
+def test_an_integer_limit_reads_its_batches_per_rank_spread_over_the_file_and_says_so(
+        ten_thousand_token_datamodule: LanguageModelingDataModule, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An int limit means what Lightning means by it, micro-batches per rank, so a count that grows with the world
+    size; one line says so where it is what decides the count, and nothing is said where val_samples decides."""
+    said: list[str] = []
+    monkeypatch.setattr("datamodules.base.rank_zero_info", said.append)
     datamodule = ten_thousand_token_datamodule
+    assert len(validation_windows(datamodule, 2, limit_val_batches=1000)) == 64 and not said  # val_samples decides
     datamodule.val_samples = None
     for world_size in (1, 2):
         windows = sorted(validation_windows(datamodule, world_size, limit_val_batches=4))
         assert len(windows) == 4 * 2 * world_size  # Lightning's limit counts micro-batches per rank
         assert windows[0] == 0 and windows[-1] >= 999 - math.ceil(999 / len(windows))
+    assert set(said) == {f"trainer.limit_val_batches=4 reads {4 * 2 * world_size} samples: Lightning counts it in "
+                         f"micro-batches of 2 on each of {world_size} data-parallel ranks, so it changes with the "
+                         "world size; data.val_samples sets a count that does not" for world_size in (1, 2)}
     assert len(validation_windows(datamodule, 2, limit_val_batches=1000)) == 999  # at most the whole file
     datamodule.trainer = stub_trainer(0, limit_val_batches=4)
-    datamodule.run_plan = data_parallel_plan(1, global_batch=2, micro=2)
+    datamodule.run_plan = evaluation_plan(1)
     assert len(datamodule.test_dataloader().sampler) == 999  # test has its own limit (here none)
 
 
@@ -203,9 +249,9 @@ def test_a_limited_validation_reports_the_loss_of_the_whole_file(byte_corpus: Pa
     (measured: +0.4 % against -7 % after this training): val.bin is whole files back to back, and the first
     ones are not typical of the rest."""
     datamodule = LanguageModelingDataModule(str(byte_corpus), sequence_length=64, global_batch_size=16,
-                                            micro_batch_size=16)
+                                            micro_batch_size=16, val_samples=256)  # of val.bin's 938 windows
     datamodule.setup("fit")
-    datamodule.trainer = stub_trainer(0, limit_val_batches=16)  # 16 x 16 = 256 of val.bin's 938 windows
+    datamodule.trainer = stub_trainer(0, limit_val_batches=1.0)
     datamodule.run_plan = data_parallel_plan(1, global_batch=16, micro=16, seed=1337)
     torch.manual_seed(0)
     model = GPT(gpt_config("debug"))
@@ -217,9 +263,9 @@ def test_a_limited_validation_reports_the_loss_of_the_whole_file(byte_corpus: Pa
         optimizer.step()
     model.eval()
 
-    limited = token_weighted_loss(model, itertools.islice(datamodule.val_dataloader(), 16))  # as Lightning cuts
+    limited = token_weighted_loss(model, datamodule.val_dataloader())
     first_windows = token_weighted_loss(model, DataLoader(Subset(datamodule.val_set, range(256)), batch_size=64))
-    datamodule.trainer.limit_val_batches = 1.0
+    datamodule.val_samples = None
     whole_file = token_weighted_loss(model, datamodule.val_dataloader())
     assert limited == pytest.approx(whole_file, rel=0.02)
     assert first_windows != pytest.approx(whole_file, rel=0.02)

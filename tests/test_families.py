@@ -19,12 +19,14 @@ from core.seeding import derive_seed
 from core.tokens import IGNORE_INDEX
 from models.masked_language_model import BertMaskedLanguageModel
 from tests.helpers import (
-    COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, adam_weight_drift, assert_comparable_runs_agree,
-    assert_weights_agree, assert_weights_equal, fit, fit_in_process, fit_killed_mid_accumulation, last_checkpoint,
-    last_checkpoint_contents, last_checkpoint_weights, one_line_error, process_state_kept, scalars,
+    COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, QUICKSTART, SAME_VALIDATION_LOSS, adam_weight_drift,
+    assert_comparable_runs_agree, assert_weights_equal, fit, fit_in_process, fit_killed_mid_accumulation,
+    last_checkpoint, last_checkpoint_contents, last_checkpoint_weights, one_line_error, process_state_kept, scalars,
+    shrunk, validate,
 )
 
 BERT = ["-c", str(CONFIG_DIR / "bert-small/pretrain.yaml")]
+PIPELINE = ["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")]
 DIGITS = ["-c", str(CONFIG_DIR / "resnet-small/digits.yaml")]
 
 
@@ -52,30 +54,55 @@ def bert_straight(tmp_path_factory: pytest.TempPathFactory, byte_corpus: Path) -
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, data_parallel_ranks", [
-    (DDP_2, 2),
-    (MODEL_PARALLEL, 2),
-    ([*MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
-      "--trainer.strategy.init_args.tensor_parallel_size", "2"], 1),
-    (["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")], 1),
-    (["-c", str(CONFIG_DIR / "trainer/async_ps_cpu.yaml"), "--trainer.devices", "2",
-      "--trainer.strategy.init_args.max_staleness", "0", "--trainer.strategy.init_args.staleness_policy", "drop"], 1),
+@pytest.mark.parametrize("layout", [
+    DDP_2,
+    MODEL_PARALLEL,
+    [*MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
+     "--trainer.strategy.init_args.tensor_parallel_size", "2"],
+    PIPELINE,
+    ["-c", str(CONFIG_DIR / "trainer/async_ps_cpu.yaml"), "--trainer.devices", "2",
+     "--trainer.strategy.init_args.max_staleness", "0", "--trainer.strategy.init_args.staleness_policy", "drop"],
 ], ids=["ddp", "fsdp2", "tensor-parallel", "pipeline", "asynchronous-one-worker"])
 def test_bert_trains_under_every_strategy_as_one_process_does(tmp_path: Path, byte_corpus: Path, bert_straight: Path,
-                                                              layout: list[str], data_parallel_ranks: int) -> None:
+                                                              layout: list[str]) -> None:
     """BERT through Cohort's generic machinery: replicated (DDP), sharded (FSDP2), split by its tensor-parallel plan
     (query, key, value and the first FFN layer by columns), cut into 2 pipeline stages (the embeddings and a block, a
     block and the MLM head, the decoder's weight tied across them), or served by the parameter server to one worker
-    that may not run ahead: the same clipped gradient norm at every step and the same final weights as one process,
-    since the training masks follow the samples' place in the global batch. Validation masks follow the
-    data-parallel rank and batch, so the validation loss is compared where there is one data-parallel rank."""
+    that may not run ahead: the same clipped gradient norm at every step, the same validation loss and the same
+    final weights as one process, since the training masks follow the samples' place in the global batch and the
+    validation masks each sample's place among the validation samples."""
     assert min(scalars(bert_straight, "train/grad_norm")) > 0.1  # above COMPARABLE_RUN's clip: clipping bites
-    run = fit(tmp_path / "other", [*bert_run(byte_corpus), *layout])
-    if data_parallel_ranks == 1:
-        assert_comparable_runs_agree(bert_straight, run)
-    else:
-        assert scalars(run, "train/grad_norm") == pytest.approx(scalars(bert_straight, "train/grad_norm"), rel=1e-4)
-        assert_weights_agree(bert_straight, run)
+    assert_comparable_runs_agree(bert_straight, fit(tmp_path / "other", [*bert_run(byte_corpus), *layout]))
+
+
+# 35 validation samples: 18 and 17 on 2 data-parallel ranks, one of them padding
+UNEVEN_VALIDATION = ["--data.val_samples", "35"]
+
+
+def assert_validates_alike_on_one_and_two_processes(tmp_path: Path, run: Path, args: list[str]) -> None:
+    """``cohort validate`` of ``run``'s last checkpoint on UNEVEN_VALIDATION gives the same val/loss on one process as
+    on 2 (DDP, the ddp_cpu preset)."""
+    losses = []
+    for name, layout in (("one-process", []), ("ddp", ["-c", str(CONFIG_DIR / "trainer/ddp_cpu.yaml")])):
+        (tmp_path / name).mkdir()
+        losses.append(validate(tmp_path / name, [*args, *layout, *UNEVEN_VALIDATION, "--ckpt_path",
+                                                 str(last_checkpoint(run))]))
+    assert losses[1] == pytest.approx(losses[0], rel=SAME_VALIDATION_LOSS)
+
+
+@pytest.mark.slow
+def test_a_gpt_checkpoint_validates_to_the_same_loss_on_one_and_two_processes(tmp_path: Path,
+                                                                              byte_corpus: Path) -> None:
+    """The quickstart recipe made small: a 3-step checkpoint of the debug model."""
+    args = [*QUICKSTART, *shrunk(byte_corpus, 3)]
+    assert_validates_alike_on_one_and_two_processes(tmp_path, fit_in_process(tmp_path / "run", args), args)
+
+
+@pytest.mark.slow
+def test_a_bert_checkpoint_validates_to_the_same_loss_on_one_and_two_processes(tmp_path: Path, byte_corpus: Path,
+                                                                               bert_straight: Path) -> None:
+    """The validation masks of a sample are the same at any world size, so its loss is."""
+    assert_validates_alike_on_one_and_two_processes(tmp_path, bert_straight, bert_run(byte_corpus))
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +179,32 @@ def test_masks_differ_across_ranks_and_steps_and_repeat_for_the_same_coordinates
     assert not chosen[:, 0].any() and not chosen[:, -1].any()
 
 
+def test_a_validation_samples_masks_are_the_same_at_any_world_size() -> None:
+    """8 validation samples in micro-batches of 2, read by one process (4 micro-batches) or dealt out over 2 or 4
+    data-parallel ranks: each sample gets the same inputs and labels, and samples differ from each other."""
+    model = BertMaskedLanguageModel("bert-tiny", vocab_size=256)
+    windows = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0))  # by place
+
+    def masked_by_place(world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        plan = RunPlan(devices_per_node=world_size, num_nodes=1, data_parallel_size=world_size, tensor_parallel_size=1,
+                       global_batch_size=2 * world_size, micro_batch_size=2, sequence_length=64,
+                       precision=PRECISIONS["32-true"], seed=7)
+        masked = {}
+        for rank in range(world_size):
+            for first in range(0, 8 // world_size, 2):  # the rank's micro-batches: its samples first and first + 1
+                places = [plan.evaluation_place(rank, first + i) for i in range(2)]
+                inputs, labels = model.validation_masked(windows[places], plan, rank, first)
+                masked.update({place: (inputs[i], labels[i]) for i, place in enumerate(places)})
+        return [masked[place] for place in range(8)]
+
+    one_process = masked_by_place(1)
+    for world_size in (2, 4):
+        for (inputs, labels), (expected_inputs, expected_labels) in zip(masked_by_place(world_size), one_process):
+            assert torch.equal(inputs, expected_inputs) and torch.equal(labels, expected_labels)
+    chosen = torch.stack([labels for _, labels in one_process]) != IGNORE_INDEX
+    assert len({tuple(row.tolist()) for row in chosen}) == 8 and 0.05 < chosen.float().mean() < 0.3
+
+
 @pytest.mark.slow
 def test_bert_trains_and_resumes_bitwise(tmp_path: Path, byte_corpus: Path, bert_straight: Path) -> None:
     """A new run resumed from the straight run's step-3 checkpoint ends with the same weights, so every mask after
@@ -200,7 +253,7 @@ def test_the_same_seed_reproduces_a_digits_run_and_a_resume_continues_it_bitwise
     ([*BERT, "--model.model_name", "bert-huge"], "unknown model.model_name 'bert-huge'"),
     ([*BERT, "--data.sequence_length", "256"], "data.sequence_length=256 exceeds the 128 positions"),
     ([*DIGITS, "--model.model_name", "resnet-1000"], "unknown model.model_name 'resnet-1000'"),
-    ([*DIGITS, "-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")], "ImageClassifier has no pipeline split"),
+    ([*DIGITS, *PIPELINE], "ImageClassifier has no pipeline split"),
     ([*DIGITS, *MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
       "--trainer.strategy.init_args.tensor_parallel_size", "2"], "ImageClassifier has no tensor-parallel plan"),
     ([*DIGITS, "--data.data_dir", "no_such_folder"], "no_such_folder"),

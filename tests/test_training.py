@@ -12,8 +12,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import (
-    DDP_2, QUIET, assert_comparable_runs_agree, assert_weights_equal, batch_sizes, cached_fits, fit,
-    fit_in_process, fit_killed_mid_accumulation, last_checkpoint_weights, run_cohort, validate,
+    DDP_2, QUIET, SAME_VALIDATION_LOSS, assert_comparable_runs_agree, assert_weights_equal, batch_sizes, cached_fits,
+    fit, fit_in_process, fit_killed_mid_accumulation, last_checkpoint_weights, run_cohort, validate,
 )
 
 pytestmark = pytest.mark.slow
@@ -143,7 +143,7 @@ def test_validation_loss_is_the_same_on_one_and_two_processes(tmp_path: Path, de
         losses.append(validate(run_dir, [*debug_run_args, "--data.val_samples", "9", "--trainer.limit_val_batches",
                                          "1.0", "--trainer.devices", str(processes),
                                          "--trainer.strategy", "ddp" if processes > 1 else "auto"]))
-    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert losses[0] == pytest.approx(losses[1], rel=SAME_VALIDATION_LOSS)
 
 
 def test_predict_generates_text_from_a_checkpoint(tmp_path: Path, debug_run_args: list[str],
