@@ -8,10 +8,10 @@ Each job trains the quickstart's small GPT (global batch 24 = 3 x 8 samples of 1
 steps and validates at the end on the same 320 windows:
 
     no failures     the fault-tolerant job, left alone: the reference validation loss
-    fault tolerant  the same job, with process (step // kill-every) % 3 SIGKILLed at every multiple of kill-every
+    fault tolerant  the same job, with a process SIGKILLed every kill-every steps, half-way between two multiples
                     (ChaosKill below); torchrun restarts it, it rejoins with a live group's state
-    torchrun        DDP on 3 processes under torchrun --max-restarts, checkpointing every kill-every / 2 steps, with
-                    the same kills: every kill restarts all ranks, which resume from the newest checkpoint
+    torchrun        DDP on 3 processes under torchrun --max-restarts, checkpointing every kill-every steps, with the
+                    same kills: every kill restarts all ranks, which resume from the newest checkpoint
 
 For each: wall time, steps committed / attempted (fault tolerant: attempted = committed + failed commits), steps
 redone (torchrun: the steps since the checkpoint, trained again), and the final validation loss against the
@@ -45,9 +45,11 @@ RECIPE = ["-c", str(REPO_ROOT / "configs/quickstart.yaml"), "--data.global_batch
 
 
 class ChaosKill(Callback):
-    """SIGKILL this process at every multiple of ``every`` optimizer steps whose turn is this process's: process
-    (step // every) % processes, counted by replica group (fault tolerance) or by rank (DDP). A marker file per
-    step makes each kill happen once, also after the restarted process passes the step again."""
+    """SIGKILL this process at steps every/2, every/2 + every, ... when the turn is this process's: process
+    (step // every) % processes, counted by replica group (fault tolerance) or by rank (DDP). Half-way between two
+    multiples of ``every``, where torchrun's job checkpoints: a failure strikes on average half a checkpoint
+    interval after the last save. A marker file per step makes each kill happen once, also after the restarted
+    process passes the step again."""
 
     def __init__(self, every: int, markers: str) -> None:
         self.every = every
@@ -56,7 +58,7 @@ class ChaosKill(Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         me = int(os.environ.get("COHORT_REPLICA_GROUP", trainer.global_rank))
-        if step == 0 or step % self.every or (step // self.every) % PROCESSES != me:
+        if (step - self.every // 2) % self.every or (step // self.every) % PROCESSES != me:
             return
         marker = self.markers / f"killed_at_step_{step}"
         if marker.exists():
@@ -100,7 +102,7 @@ def fault_tolerant_figures(run_dir: Path, kill_every: int | None) -> dict[str, A
     groups = [events(job / f"replica_group_{group}") for group in range(PROCESSES)]
     finals = [group for group in groups if "val/loss" in group.Tags()["scalars"]]
     failed = max(group.Scalars("fault_tolerance/failed_commits")[-1].value for group in groups)
-    committed = max(group.Scalars("train/loss")[-1].step for group in groups) + 1
+    committed = len({event.step for group in groups for event in group.Scalars("train/loss")})
     recoveries = []
     for step_file in sorted(run_dir.glob("killed_at_step_*"), key=lambda path: int(path.name.rsplit("_", 1)[1])):
         killed_step = int(step_file.name.rsplit("_", 1)[1])
@@ -136,7 +138,7 @@ def main() -> None:
                       "--trainer.strategy.init_args.replica_groups", str(PROCESSES),
                       "--trainer.strategy.init_args.max_restarts", "20"]
     ddp = ["-c", str(REPO_ROOT / "configs/trainer/ddp_cpu.yaml"), "--trainer.devices", str(PROCESSES),
-           "--checkpoint.every_n_train_steps", str(args.kill_every // 2)]
+           "--checkpoint.every_n_train_steps", str(args.kill_every)]
     with tempfile.TemporaryDirectory() as scratch:
         data_dir = Path(scratch, "corpus")
         prepare_corpus(stdlib_source_files()[:200], data_dir, val_fraction=0.1)

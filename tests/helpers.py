@@ -615,6 +615,20 @@ class KillReplicaGroup(KillRank):
             super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
 
+class SignalJobAtStep(Callback):
+    """SIGTERM to the ``cohort fit`` that started a fault-tolerant job, from replica group 0 at ``step``, as a
+    scheduler stopping the job would: the group's process was started by torchrun's agent, which ``cohort`` started."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if os.environ.get("COHORT_REPLICA_GROUP") == "0" and trainer.global_step == self.step:
+            agent_status = Path(f"/proc/{os.getppid()}/stat").read_text()
+            job = int(agent_status.rsplit(")", 1)[1].split()[1])  # the field after the state: the parent's pid
+            os.kill(job, signal.SIGTERM)
+
+
 class RecordWorldSize(Callback):
     """Writes what each rank sees of the job from inside the run: rank, world size, node rank, host."""
 

@@ -9,6 +9,7 @@ import pytest
 
 from tests.helpers import (
     CONFIG_DIR,
+    QUIET,
     assert_comparable_runs_agree,
     assert_one_line_error_in_process,
     assert_weights_equal,
@@ -18,6 +19,7 @@ from tests.helpers import (
     last_checkpoint_contents,
     scalars,
 )
+from tests.processes import run_cohort
 
 FAULT_TOLERANT = ["-c", str(CONFIG_DIR / "trainer/fault_tolerant_cpu.yaml")]
 GROUPS = "--trainer.strategy.init_args.replica_groups"
@@ -65,6 +67,26 @@ def test_a_killed_group_rejoins_with_a_live_groups_state(tmp_path: Path, debug_r
     quorum = scalars(group_run(job, 0), "fault_tolerance/quorum_size")
     assert quorum[0] == 3.0 and 2.0 in quorum, quorum  # all three at the start, two while group 1 was down
     assert len(quorum) >= steps  # every committed step logged (a step that failed to commit is logged and redone)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_group_at_a_checkpoint_and_the_job_resumes(tmp_path: Path,
+                                                                     debug_run_args: list[str]) -> None:
+    """SIGTERM to cohort reaches every group: each checkpoints after its step and the job exits 143, saying how to
+    resume; --ckpt_path last resumes every group from the newest of them, and they train to the end alike."""
+    args = ["fit", *debug_run_args, *FAULT_TOLERANT, *batch_sizes(8, 4), "--trainer.max_steps", "12",
+            "--trainer.limit_val_batches", "0", *QUIET, "--trainer.callbacks+=tests.helpers.SlowRank",
+            "--trainer.callbacks.rank=0", "--trainer.callbacks.seconds=0.2"]
+    stopped = run_cohort([*args, "--trainer.callbacks+=tests.helpers.SignalJobAtStep", "--trainer.callbacks.step=4"],
+                         cwd=tmp_path)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    steps = [last_checkpoint_contents(group_run(tmp_path, group))["global_step"] for group in range(2)]
+    assert all(4 <= step < 12 for step in steps), steps
+    resumed = run_cohort([*args, "--ckpt_path", "last"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    finals = [last_checkpoint_contents(group_run(tmp_path, group)) for group in range(2)]
+    assert [final["global_step"] for final in finals] == [12, 12]
+    assert_weights_equal(finals[0]["state_dict"], finals[1]["state_dict"])
 
 
 @pytest.mark.parametrize(("args", "expected"), [

@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from app.cli.launch import parent_start_time, torchrun_restart
 from app.safety.checkpoints import check_checkpoint, find_last_checkpoint
-from app.strategies.fault_tolerance import FaultTolerantStrategy, replica_group
+from app.strategies.fault_tolerance import RUN_VERSION_ENV, FaultTolerantStrategy, replica_group
 from app.strategies.gradient_compression import COMPRESSIONS
 from app.strategies.local_updates import UPDATE_METHODS
 from app.strategies.parameter_server.strategy import check_asynchronous
@@ -59,7 +59,7 @@ class Preflight:
         resolved into the config: the precision this device runs, the checkpoint ``--ckpt_path last`` names."""
         return [("world size", self.check_world_size), ("precision", self.resolve_trainer_precision),
                 ("run plan", self.check_run_plan), ("checkpoint", self.resolve_checkpoint),
-                ("folders", self.check_folders)]
+                ("replica group", self.resolve_replica_group_folders), ("folders", self.check_folders)]
 
     def run(self) -> RunPlan:
         for _, check in self.checks():
@@ -95,11 +95,12 @@ class Preflight:
             return "nothing to resume"
         if config.weights_only is None:  # checkpoints are data: refuse a pickle that asks for code, whatever torch's default
             config.weights_only = True
+        if replica_group() is not None and torchrun_restart() > 0:
+            config.ckpt_path = None  # a restarted replica group takes a live group's state, not the job's checkpoint
         if config.ckpt_path == "last":
             config.ckpt_path = continue_last_run(config.trainer)
         elif config.ckpt_path is None and self.subcommand == "fit" and torchrun_restart() > 0 and replica_group() is None:
             # torchrun restarted the ranks after one failed: continue this job's run, not an older one in the folder
-            # (a fault-tolerant replica group takes a live peer's state instead)
             config.ckpt_path = continue_last_run(config.trainer, written_since=parent_start_time())
         if config.ckpt_path is None and self.subcommand == "predict":
             raise UserError("predict continues prompts with trained weights: pass --ckpt_path with a checkpoint of "
@@ -112,6 +113,28 @@ class Preflight:
                             f"strategies read: run cohort consolidate {path} and pass the file it writes")
         check_checkpoint(path, config.model, config.weights_only)
         return f"resumes from {config.ckpt_path}"
+
+    def resolve_replica_group_folders(self) -> str:
+        """A fault-tolerant replica group logs and checkpoints into replica_group_G of its job's run folder, which
+        the job names (COHORT_RUN_VERSION: cohort fit's launcher, or scripts/torchrun.sh), so that the groups of one
+        job write side by side and never over each other."""
+        group = replica_group()
+        if group is None:
+            return "not a replica group"
+        version = os.environ.get(RUN_VERSION_ENV)
+        if version is None:
+            raise UserError(f"replica group {group} has no run folder: {RUN_VERSION_ENV} names the job's "
+                            "lightning_logs/VERSION; start the job with cohort fit or scripts/torchrun.sh")
+        root, folder = log_root(self.config.trainer), f"replica_group_{group}"
+        if root is not None:
+            self.config.trainer.logger.init_args.version = version
+            self.config.trainer.logger.init_args.sub_dir = folder
+        checkpoint = self.config.checkpoint
+        if checkpoint.dirpath is not None:
+            checkpoint.dirpath = str(Path(checkpoint.dirpath) / folder)
+        elif root is not None:
+            checkpoint.dirpath = str(root / version / folder / "checkpoints")
+        return f"replica group {group}: {checkpoint.dirpath}"
 
     def check_folders(self) -> str:
         folders = {"log folder": log_root(self.config.trainer), "checkpoint folder": self.config.checkpoint.dirpath}
@@ -448,7 +471,7 @@ def continue_last_run(trainer_config: Namespace, written_since: float = 0.0) -> 
         rank_zero_info(f"--ckpt_path last: no checkpoint under {root}/version_*/checkpoints"
                        f"{' from this job' if written_since else ''}, starting a new run")
         return None
-    trainer_config.logger.init_args.version = checkpoint.parent.parent.name
+    trainer_config.logger.init_args.version = checkpoint.relative_to(root).parts[0]  # also replica_group_G's job
     rank_zero_info(f"resuming from {checkpoint}")
     return str(checkpoint)
 

@@ -217,8 +217,10 @@ def is_real_folder(path: Path) -> bool:
 
 
 def find_last_checkpoint(log_root: Path) -> Path | None:
-    """The newest ``version_*/checkpoints/last.ckpt`` under a TensorBoard log root."""
-    candidates = list(log_root.glob("version_*/checkpoints/last.ckpt"))
+    """The newest ``version_*/checkpoints/last.ckpt`` under a TensorBoard log root, or a fault-tolerant job's
+    ``version_*/replica_group_*/checkpoints/last.ckpt``."""
+    candidates = [*log_root.glob("version_*/checkpoints/last.ckpt"),
+                  *log_root.glob("version_*/replica_group_*/checkpoints/last.ckpt")]
     return max(candidates, key=lambda path: path.lstat().st_mtime) if candidates else None
 
 

@@ -32,6 +32,7 @@ every group after a checkpoint; the bad-step guard and the monitor work per grou
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import signal
@@ -65,6 +66,7 @@ from datamodules.base import ResumableDataLoader
 from datamodules.samplers import GlobalBatchSampler
 
 REPLICA_GROUP_ENV = "COHORT_REPLICA_GROUP"  # set by the job for the processes of replica group G
+RUN_VERSION_ENV = "COHORT_RUN_VERSION"  # the job's lightning_logs/VERSION folder, where each group has its own
 JOB_STORE_ENV = "COHORT_JOB_STORE"  # host:port of the store where the job's groups count themselves in at the start
 JOB_FINISHED = "job_finished"  # the store's key once a group has trained to the end
 LIGHTHOUSE_START_SECONDS = 30.0
@@ -103,6 +105,7 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         self.timeout = timeout
         self.heartbeat_timeout = heartbeat_timeout
         self.manager: Any = None  # torchft's Manager, in a group's process from setup on
+        self.committed_steps: CommittedSteps | None = None  # in a group's process, from setup_environment on
         self.recoveries = 0  # peer states this group has loaded
         self.quorum_seconds = 0.0  # spent waiting for quorums (and recoveries) since the start
         self._training_loader: object = None
@@ -120,9 +123,17 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         self._launcher = None if replica_group() is not None else ReplicaGroupsLauncher(self)
 
     # ----- in a group's process -----
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        trainer = self.lightning_module.trainer
+        if replica_group() is not None and trainer.state.fn == TrainerFn.FITTING:
+            # a callback from here on, so that a resumed job restores the committed steps into it
+            self.committed_steps = CommittedSteps(self)
+            trainer.callbacks.insert(0, self.committed_steps)
+
     def setup(self, trainer: L.Trainer) -> None:
         super().setup(trainer)
-        if replica_group() is None or trainer.state.fn != TrainerFn.FITTING:
+        if self.committed_steps is None:
             return
         check_lighthouse_answers(os.environ["TORCHFT_LIGHTHOUSE"])
         # the fault-tolerance extra (pyproject.toml): imported where it is used
@@ -139,7 +150,7 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
             checkpoint_transport=weights_only_http_transport(self.timeout),
             init_sync=False,  # every group builds the same initial weights from the seed: nothing to send at step 0
         )
-        trainer.callbacks.insert(0, CommittedSteps(self))
+        self.manager.load_state_dict(self.committed_steps.restored)
         self.job_store = job_store(self.timeout)
         if self.job_store is not None and torchrun_restart() == 0:
             wait_for_every_group(self.job_store, self.replica_groups, self.timeout)
@@ -272,6 +283,14 @@ class CommittedSteps(Callback):
     def __init__(self, strategy: FaultTolerantStrategy) -> None:
         self.strategy = strategy
         self.failed_commits = 0
+        # the manager's count of committed steps and replica batches: where the stream goes on (a resumed job's)
+        self.restored = {"step": 0, "batches_committed": 0}
+
+    def state_dict(self) -> dict[str, int]:
+        return self.strategy.manager.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.restored = dict(state_dict)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -335,7 +354,11 @@ class ReplicaGroupsLauncher(_Launcher):
         address = self.strategy.lighthouse or f"http://{socket.gethostname()}:{lighthouse[1]}"
         store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)  # where the groups count themselves in
         job = {"TORCHFT_LIGHTHOUSE": address, JOB_STORE_ENV: f"{socket.gethostname()}:{store.port}"}
-        groups = [self._start_group(group, job, trainer, run_dir) for group in range(self.strategy.replica_groups)]
+        # the checkpoint the job resumes (fit's ckpt_path), resolved once here: a restarted group takes a live group's
+        # state instead of reading it again
+        ckpt_path = inspect.signature(function).bind(*args, **kwargs).arguments.get("ckpt_path")
+        resume = [f"--ckpt_path={ckpt_path}"] if ckpt_path else []
+        groups = [self._start_group(group, job, resume, run_dir) for group in range(self.strategy.replica_groups)]
         stop = forward_stop_signals(groups)
         try:
             codes = wait_for_groups(groups, lighthouse[0] if lighthouse else None, run_dir)
@@ -357,10 +380,10 @@ class ReplicaGroupsLauncher(_Launcher):
                   "trained to the end without it", file=sys.stderr)
         return None
 
-    def _start_group(self, group: int, job: dict[str, str], trainer: L.Trainer, run_dir: Path) -> subprocess.Popen:
+    def _start_group(self, group: int, job: dict[str, str], resume: list[str], run_dir: Path) -> subprocess.Popen:
         """One torchrun for replica group ``group``, in a session of its own (a signal reaches its processes)."""
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        env = {**os.environ, **job, REPLICA_GROUP_ENV: str(group),
+        env = {**os.environ, **job, REPLICA_GROUP_ENV: str(group), RUN_VERSION_ENV: run_dir.name,
                # torchrun's agent would lend its rendezvous store to a restarted attempt (pytorch/pytorch#135712)
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                # the groups share this machine's cores
@@ -369,8 +392,7 @@ class ReplicaGroupsLauncher(_Launcher):
         if torch.cuda.is_available():
             env["CUDA_VISIBLE_DEVICES"] = str(group)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                   "--max-restarts", str(self.strategy.max_restarts), "-m", "app", *sys.argv[1:],
-                   *group_arguments(trainer, run_dir, group)]
+                   "--max-restarts", str(self.strategy.max_restarts), "-m", "app", *sys.argv[1:], *resume]
         return subprocess.Popen(command, env=env, start_new_session=True)
 
 
@@ -381,19 +403,6 @@ def run_folder(trainer: L.Trainer) -> Path:
         version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
         return Path(logger.root_dir) / version
     return Path(trainer.default_root_dir) / "fault_tolerant_job"
-
-
-def group_arguments(trainer: L.Trainer, run_dir: Path, group: int) -> list[str]:
-    """What a group's command line adds to the job's: its own TensorBoard folder and checkpoint folder in the job's
-    run folder, and the checkpoint the job resumes (resolved once here, so a restarted group does not read one)."""
-    folder = run_dir / f"replica_group_{group}"
-    arguments = [f"--checkpoint.dirpath={folder / 'checkpoints'}"]
-    if isinstance(trainer.logger, TensorBoardLogger):
-        arguments += [f"--trainer.logger.init_args.version={run_dir.name}",
-                      f"--trainer.logger.init_args.sub_dir={folder.name}"]
-    if trainer.ckpt_path:
-        arguments.append(f"--ckpt_path={trainer.ckpt_path}")
-    return arguments
 
 
 def start_lighthouse(strategy: FaultTolerantStrategy, run_dir: Path) -> tuple[subprocess.Popen, int]:
