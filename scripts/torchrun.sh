@@ -15,6 +15,17 @@
 # MAX_RESTARTS     times torchrun restarts all ranks after one fails (3); a restarted run resumes from its newest
 #                  checkpoint by itself, losing at most the steps since it. 0 makes a failure end the job.
 # The trainer config must agree: trainer.num_nodes = NNODES and trainer.devices = NPROC_PER_NODE.
+#
+# Fault-tolerant replica groups (configs/trainer/fault_tolerant_*.yaml) on several machines: one machine per group,
+# each its own torchrun job (NNODES=1), all sharing one lighthouse and one RUN_ID:
+#   START_LIGHTHOUSE=1 REPLICA_GROUP=0 LIGHTHOUSE=http://node0:29510 RUN_ID=job7 scripts/torchrun.sh fit ...  # node0
+#   REPLICA_GROUP=1 LIGHTHOUSE=http://node0:29510 RUN_ID=job7 scripts/torchrun.sh fit ...                     # node1
+# REPLICA_GROUP    this machine's replica group, 0 .. replica_groups-1
+# LIGHTHOUSE       http://host:port of the job's torchft lighthouse, reachable from every group
+# START_LIGHTHOUSE 1: start the lighthouse here first (on one machine only), on LIGHTHOUSE's port, with
+#                  MIN_REPLICAS (1) groups per step; it stops when this machine's torchrun ends
+# Each group writes into lightning_logs/version_$RUN_ID/replica_group_G. Start the groups together: the first steps
+# are taken by the groups already up (cohort fit on one machine waits for all of them).
 # On clusters whose hostname resolves to 127.0.0.1, set LOCAL_ADDR, and NCCL_SOCKET_IFNAME (GPUs) or
 # GLOO_SOCKET_IFNAME (CPUs) to the interface that carries it, or other nodes are told to connect to loopback.
 set -euo pipefail
@@ -49,9 +60,26 @@ command=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 TORCH_NCCL_ASYNC_ERROR_HANDLIN
   --rdzv_backend=c10d --rdzv_endpoint="$master_addr:$master_port" --rdzv_id="$run_id" --rdzv_conf=is_host="$is_host"
   ${LOCAL_ADDR:+--local_addr="$LOCAL_ADDR"} -m app "$@")
 
+if [[ -n "${REPLICA_GROUP:-}" ]]; then
+  : "${LIGHTHOUSE:?REPLICA_GROUP needs LIGHTHOUSE=http://host:port of the torchft lighthouse of the job}"
+  command=(env COHORT_REPLICA_GROUP="$REPLICA_GROUP" TORCHFT_LIGHTHOUSE="$LIGHTHOUSE"
+    COHORT_RUN_VERSION="version_$run_id" "${command[@]}")
+fi
+lighthouse=()
+if [[ -n "${START_LIGHTHOUSE:-}" ]]; then
+  : "${LIGHTHOUSE:?START_LIGHTHOUSE needs LIGHTHOUSE=http://host:port, whose port it listens on}"
+  lighthouse=(torchft_lighthouse --min_replicas "${MIN_REPLICAS:-1}" --bind "[::]:${LIGHTHOUSE##*:}")
+fi
+
 if [[ -n "${DRY_RUN:-}" ]]; then
+  if [[ ${#lighthouse[@]} -gt 0 ]]; then printf '%q ' "${lighthouse[@]}"; echo "&"; fi
   printf '%q ' "${command[@]}"
   echo
+elif [[ ${#lighthouse[@]} -gt 0 ]]; then
+  "${lighthouse[@]}" &
+  lighthouse_pid=$!
+  trap 'kill "$lighthouse_pid" 2>/dev/null' EXIT
+  "${command[@]}"
 else
   exec "${command[@]}"
 fi

@@ -135,7 +135,12 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         super().setup(trainer)
         if self.committed_steps is None:
             return
-        check_lighthouse_answers(os.environ["TORCHFT_LIGHTHOUSE"])
+        lighthouse = os.environ.get("TORCHFT_LIGHTHOUSE", self.lighthouse)
+        if lighthouse is None:
+            raise UserError(f"replica group {replica_group()} has no lighthouse: set TORCHFT_LIGHTHOUSE (LIGHTHOUSE for "
+                            "scripts/torchrun.sh) or trainer.strategy.init_args.lighthouse to its http://host:port")
+        check_lighthouse_answers(lighthouse, wait=self.timeout)
+        os.environ["TORCHFT_LIGHTHOUSE"] = lighthouse  # where torchft's manager reads it
         # the fault-tolerance extra (pyproject.toml): imported where it is used
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
@@ -434,18 +439,24 @@ def start_lighthouse(strategy: FaultTolerantStrategy, run_dir: Path) -> tuple[su
                     f"{run_dir / 'lighthouse.log'} says why")
 
 
-def check_lighthouse_answers(address: str) -> None:
-    """A UserError unless something listens at the lighthouse's http://host:port."""
+def check_lighthouse_answers(address: str, wait: timedelta = timedelta(0)) -> None:
+    """A UserError unless something listens at the lighthouse's http://host:port within ``wait`` (a group started
+    by a launch script may come up before the line that starts the lighthouse)."""
     parsed = urllib.parse.urlparse(address)
     if parsed.hostname is None or parsed.port is None:
         raise UserError(f"lighthouse {address!r} is not an address: give http://host:port of a running "
                         "torchft_lighthouse, or null to start one with the job")
-    try:
-        socket.create_connection((parsed.hostname, parsed.port), timeout=5).close()
-    except OSError as error:
-        raise UserError(f"the lighthouse at {address} does not answer ({error.strerror or error}): start it "
-                        "(torchft_lighthouse --min_replicas N --bind [::]:PORT) or give trainer.strategy.init_args."
-                        "lighthouse null to let cohort start one") from None
+    deadline = time.monotonic() + wait.total_seconds()
+    while True:
+        try:
+            socket.create_connection((parsed.hostname, parsed.port), timeout=5).close()
+            return
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                raise UserError(f"the lighthouse at {address} does not answer ({error.strerror or error}): start it "
+                                "(torchft_lighthouse --min_replicas N --bind [::]:PORT) or give trainer.strategy."
+                                "init_args.lighthouse null to let cohort start one") from None
+            time.sleep(0.2)
 
 
 def lighthouse_program() -> str:
