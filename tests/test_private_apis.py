@@ -9,9 +9,12 @@ import inspect
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.strategies.launchers import launcher
 from lightning.fabric.utilities import load
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch.distributed import _serialization
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 # (owner, attribute, who uses it and why)
@@ -26,6 +29,11 @@ PRIVATE_METHODS = [
     (load, "_load_distributed_checkpoint", "app/safety/checkpoints.py load_sharded_checkpoint: shards as full tensors"),
     (torch, "_foreach_mul_", "models/parallelize.py: scale every mesh's gradients in one call when clipping"),
     (powerSGD_hook, "_should_compress", "app/strategies/gradient_compression.py factor_slots: each Q factor's slot"),
+    (_serialization, "_streaming_load", "app/strategies/fault_tolerance.py: a peer's state read weights-only"),
+    (SingleDeviceStrategy, "_configure_launcher", "FaultTolerantStrategy: cohort fit starts the replica groups"),
+]
+PRIVATE_CLASSES = [
+    (launcher, "_Launcher", "app/strategies/fault_tolerance.py ReplicaGroupsLauncher: Lightning's launcher interface"),
 ]
 PRIVATE_ATTRIBUTES = [
     ("checkpoint", "_last_checkpoint_saved", "RunCheckpoint: the newest file, for messages and the history"),
@@ -33,13 +41,15 @@ PRIVATE_ATTRIBUTES = [
     ("trainer", "_checkpoint_connector", "RunCheckpoint._write: dump_checkpoint without the barrier after it"),
     ("module", "_trainer", "models/language_model.py configure_model: the trainer or None, without raising"),
     ("fused_adamw", "_step_supports_amp_scaling", "bad_steps, language_model: the step reads found_inf itself"),
+    ("epoch_loop", "_batches_that_stepped", "fault_tolerance.py follow_committed_steps: the logging step"),
 ]
 
 
 def instances() -> dict[str, object]:
     fused_adamw = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], fused=True)
-    return {"checkpoint": ModelCheckpoint(), "trainer": L.Trainer(logger=False, enable_checkpointing=False),
-            "module": L.LightningModule(), "fused_adamw": fused_adamw}
+    trainer = L.Trainer(logger=False, enable_checkpointing=False)
+    return {"checkpoint": ModelCheckpoint(), "trainer": trainer, "module": L.LightningModule(),
+            "fused_adamw": fused_adamw, "epoch_loop": trainer.fit_loop.epoch_loop}
 
 
 @pytest.mark.parametrize(("owner", "name", "why"), PRIVATE_METHODS, ids=[name for _, name, _ in PRIVATE_METHODS])
@@ -50,6 +60,19 @@ def test_private_method_exists(owner: object, name: str, why: str) -> None:
 @pytest.mark.parametrize(("owner", "name", "why"), PRIVATE_ATTRIBUTES, ids=[name for _, name, _ in PRIVATE_ATTRIBUTES])
 def test_private_attribute_exists(owner: str, name: str, why: str) -> None:
     assert hasattr(instances()[owner], name), f"{owner}.{name} is gone ({why})"
+
+
+@pytest.mark.parametrize(("owner", "name", "why"), PRIVATE_CLASSES, ids=[name for _, name, _ in PRIVATE_CLASSES])
+def test_private_class_exists(owner: object, name: str, why: str) -> None:
+    assert inspect.isclass(getattr(owner, name, None)), f"{owner}.{name} is gone ({why})"
+
+
+def test_torchfts_http_transport_still_reads_through_load_from_address() -> None:
+    """app/strategies/fault_tolerance.py replaces this reader (which unpickles anything) with a weights-only one."""
+    http_transport = pytest.importorskip("torchft.checkpointing.http_transport")
+    reader = inspect.getattr_static(http_transport.HTTPTransport, "_load_from_address")
+    assert isinstance(reader, classmethod)
+    assert "self._load_from_address" in inspect.getsource(http_transport.HTTPTransport.recv_checkpoint)
 
 
 def test_the_checkpoint_connector_still_dumps_and_the_link_signature_holds() -> None:

@@ -60,7 +60,6 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed import TCPStore
 from torch.distributed._serialization import _streaming_load
 
-from app.cli.launch import torchrun_restart
 from core.errors import UserError
 from datamodules.base import ResumableDataLoader
 from datamodules.samplers import GlobalBatchSampler
@@ -70,6 +69,11 @@ RUN_VERSION_ENV = "COHORT_RUN_VERSION"  # the job's lightning_logs/VERSION folde
 JOB_STORE_ENV = "COHORT_JOB_STORE"  # host:port of the store where the job's groups count themselves in at the start
 JOB_FINISHED = "job_finished"  # the store's key once a group has trained to the end
 LIGHTHOUSE_START_SECONDS = 30.0
+
+
+def restarted() -> bool:
+    """Whether torchrun restarted this process after it died (its restart count; app/cli/launch.py reads the same)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
 
 
 def replica_group() -> int | None:
@@ -110,7 +114,7 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         self.quorum_seconds = 0.0  # spent waiting for quorums (and recoveries) since the start
         self._training_loader: object = None
         self.job_store: TCPStore | None = None  # the job's, where groups count in at the start and the end
-        self._rejoined = torchrun_restart() == 0  # a restarted group has rejoined once it has a live group's state
+        self._rejoined = not restarted()  # a restarted group has rejoined once it has a live group's state
         self._store: TCPStore | None = None
 
     @property
@@ -157,7 +161,7 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         )
         self.manager.load_state_dict(self.committed_steps.restored)
         self.job_store = job_store(self.timeout)
-        if self.job_store is not None and torchrun_restart() == 0:
+        if self.job_store is not None and not restarted():
             wait_for_every_group(self.job_store, self.replica_groups, self.timeout)
 
     def process_dataloader(self, dataloader: object) -> object:
