@@ -629,6 +629,26 @@ class SignalJobAtStep(Callback):
             os.kill(job, signal.SIGTERM)
 
 
+class KillLighthouseAtStep(Callback):
+    """SIGKILL the job's torchft lighthouse (the one listening on TORCHFT_LIGHTHOUSE's port) from replica group 0 at
+    ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if os.environ.get("COHORT_REPLICA_GROUP") != "0" or trainer.global_step != self.step:
+            return
+        port = os.environ["TORCHFT_LIGHTHOUSE"].rsplit(":", 1)[1]
+        for status in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                words = status.read_bytes().split(b"\0")
+            except OSError:  # a process that ended meanwhile
+                continue
+            if any(word.endswith(b"torchft_lighthouse") for word in words[:2]) and f"[::]:{port}".encode() in words:
+                os.kill(int(status.parent.name), signal.SIGKILL)
+
+
 class RecordWorldSize(Callback):
     """Writes what each rank sees of the job from inside the run: rank, world size, node rank, host."""
 

@@ -89,6 +89,17 @@ def test_sigterm_stops_every_group_at_a_checkpoint_and_the_job_resumes(tmp_path:
     assert_weights_equal(finals[0]["state_dict"], finals[1]["state_dict"])
 
 
+@pytest.mark.slow
+def test_a_lighthouse_that_dies_mid_run_ends_the_job_in_one_line(tmp_path: Path, debug_run_args: list[str]) -> None:
+    result = run_cohort(["fit", *debug_run_args, *FAULT_TOLERANT, *batch_sizes(8, 4), *QUIET,
+                         "--trainer.max_steps", "200", "--trainer.limit_val_batches", "0",
+                         "--trainer.callbacks+=tests.helpers.KillLighthouseAtStep", "--trainer.callbacks.step=3"],
+                        cwd=tmp_path, timeout=120)
+    assert result.returncode == 1
+    assert ("cohort: error: torchft's lighthouse exited with code -9 while the groups trained, so they could not "
+            "agree on another step") in result.stderr, result.stderr[-3000:]
+
+
 @pytest.mark.parametrize(("args", "expected"), [
     ([GROUPS, "2", "--trainer.strategy.init_args.min_replicas", "3"], "min_replicas=3 must be between 1 and"),
     (["--trainer.devices", "2"], "set trainer.devices 1 and num_nodes 1, and raise"),
