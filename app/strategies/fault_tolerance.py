@@ -243,7 +243,7 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
             optimizer.load_state_dict(optimizer_state)
         for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["schedulers"]):
             config.scheduler.load_state_dict(scheduler_state)
-        follow_committed_steps(trainer, self.manager.current_step())
+        follow_committed_steps(trainer, self.manager.current_step(), self.lightning_module.run_plan.accumulation)
         self.recoveries += 1
 
     def teardown(self) -> None:
@@ -271,10 +271,16 @@ def wait_for_every_group(store: TCPStore, replica_groups: int, timeout: timedelt
         time.sleep(0.05)
 
 
-def follow_committed_steps(trainer: L.Trainer, step: int) -> None:
-    """Make Lightning's step count (``global_step``: the schedule, checkpoints, max_steps, logging) the committed
-    steps: Lightning counts every optimizer step it ran, also one that did not commit."""
+def follow_committed_steps(trainer: L.Trainer, step: int, accumulation: int) -> None:
+    """Make Lightning's counts the committed steps: its step count (``global_step``: the schedule, checkpoints,
+    max_steps, logging) and its count of training batches (when to validate): Lightning counts every optimizer step
+    it ran, also one that did not commit, and a recovered group has not run the steps it took from its peer. The
+    batch counters all move by the same amount, whatever the phase of the batch (some lag by one)."""
     loop = trainer.fit_loop.epoch_loop
+    batches = loop.batch_progress.total
+    shift = (step - trainer.global_step) * accumulation
+    batches.ready, batches.started = batches.ready + shift, batches.started + shift
+    batches.processed, batches.completed = batches.processed + shift, batches.completed + shift
     progress = loop.automatic_optimization.optim_progress.optimizer.step.total
     progress.ready = progress.completed = step
     loop._batches_that_stepped = step
@@ -310,7 +316,7 @@ class CommittedSteps(Callback):
         committed = manager.current_step()
         if committed != trainer.global_step:  # the step did not commit: Lightning counted it all the same
             self.failed_commits += 1
-            follow_committed_steps(trainer, committed)
+            follow_committed_steps(trainer, committed, plan.accumulation)
         quorum = manager.num_participants()
         pl_module.log_dict({"fault_tolerance/quorum_size": float(quorum),
                             "fault_tolerance/global_batch": float(quorum * plan.replica_batch_size),
