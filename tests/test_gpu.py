@@ -130,3 +130,17 @@ def test_a_nan_gradient_is_skipped_on_the_gpu(tmp_path: Path, byte_corpus: Path,
         assert scalars(tmp_path, "train/skipped_steps")[-1] == 1
     assert_only_step_skipped(weight_digests(tmp_path, world_size=1), skipped=3, steps=steps)
     assert all(torch.isfinite(tensor).all() for tensor in last_checkpoint_weights(tmp_path).values())
+
+
+def test_fault_tolerant_groups_average_over_nccl(tmp_path: Path, byte_corpus: Path) -> None:
+    """The GPU preset's replica groups (two, sharing this machine's GPUs when it has fewer) average their gradients
+    over torchft's NCCL group and end with the same weights, bitwise, as on CPUs."""
+    pytest.importorskip("torchft")
+    steps = 6
+    result = run_cohort(["fit", *QUICKSTART, "-c", str(TRAINER / "fault_tolerant_gpu_bf16.yaml"),
+                         *shrunk(byte_corpus, steps), *QUIET], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    job = tmp_path / "lightning_logs" / "version_0"
+    finals = [torch.load(job / f"replica_group_{group}/checkpoints/last.ckpt", weights_only=True) for group in (0, 1)]
+    assert [final["global_step"] for final in finals] == [steps, steps]
+    assert all(torch.equal(finals[0]["state_dict"][name], finals[1]["state_dict"][name]) for name in finals[0]["state_dict"])

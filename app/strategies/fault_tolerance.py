@@ -147,12 +147,19 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         os.environ["TORCHFT_LIGHTHOUSE"] = lighthouse  # where torchft's manager reads it
         # the fault-tolerance extra (pyproject.toml): imported where it is used
         from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         # the store through which the quorum's groups find each other's gloo addresses (the group's own)
         self._store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        # the groups' gradient all-reduce: NCCL between GPUs (its timeout also bounds its non-blocking waits), gloo
+        # between CPUs
+        if self.root_device.type == "cuda":
+            os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(self.timeout.total_seconds()))
+            groups: Any = ProcessGroupNCCL(timeout=self.timeout)
+        else:
+            groups = ProcessGroupGloo(timeout=self.timeout)
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=self.timeout), load_state_dict=self._load_peer_state,
+            pg=groups, load_state_dict=self._load_peer_state,
             state_dict=self._peer_state, min_replica_size=self.min_replicas, use_async_quorum=False,
             rank=0, world_size=1, store_addr=socket.gethostname(), store_port=self._store.port,
             replica_id=f"replica_group_{replica_group()}", timeout=self.timeout, quorum_timeout=self.timeout,
@@ -404,8 +411,8 @@ class ReplicaGroupsLauncher(_Launcher):
                # the groups share this machine's cores
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, cpus // self.strategy.replica_groups))),
                "RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft's own log: a few lines per step otherwise
-        if torch.cuda.is_available():
-            env["CUDA_VISIBLE_DEVICES"] = str(group)
+        if torch.cuda.is_available():  # group G on GPU G; more groups than GPUs share them
+            env["CUDA_VISIBLE_DEVICES"] = str(group % torch.cuda.device_count())
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                    "--max-restarts", str(self.strategy.max_restarts), "-m", "app", *sys.argv[1:], *resume]
         return subprocess.Popen(command, env=env, start_new_session=True)
