@@ -42,8 +42,8 @@ class RunPlan:
     # workers of an asynchronous run (app/strategies/parameter_server/), rank 0 being the server; 0: the ranks step
     # together. Each update is one global batch that one worker computes: the data-parallel size is then 1
     asynchronous_workers: int = 0
-    # fault-tolerant replica groups (app/strategies/fault_tolerance.py), each a job of its own that reads
-    # global_batch_size / replica_groups samples per step; 1: one job
+    # fault-tolerant replica groups (app/strategies/fault_tolerance.py), each a job of its own; a quorum of n of them
+    # shares each global batch, each reading global_batch_size / n; 1: one job
     replica_groups: int = 1
 
     def __post_init__(self) -> None:
@@ -121,14 +121,9 @@ class RunPlan:
         return 2 if self.pipeline_schedule == "Interleaved1F1B" else 1
 
     @property
-    def replica_batch_size(self) -> int:
-        """Samples one replica group reads per step: the global batch, unless fault-tolerant groups share it."""
-        return self.global_batch_size // self.replica_groups
-
-    @property
     def accumulation(self) -> int:
-        """Micro-batches per optimizer step on each rank."""
-        return self.replica_batch_size // (self.micro_batch_size * self.data_parallel_size)
+        """Micro-batches per optimizer step on each rank (of each replica group, whatever their quorum)."""
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size * self.replica_groups)
 
     @property
     def tokens_per_step(self) -> int:

@@ -43,7 +43,7 @@ class ResumableDataLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, int]:
-        sampler: GlobalBatchSampler = self.sampler  # type: ignore[assignment]
+        sampler: GlobalBatchSampler = self.batch_sampler.sampler  # type: ignore[union-attr]  # torch's BatchSampler or StepMicroBatches
         return {
             "seed": sampler.plan.seed,
             "global_batch_size": sampler.plan.global_batch_size,

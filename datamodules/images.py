@@ -15,7 +15,7 @@ Padding samples (see EvenShardSampler) are zero images labelled IGNORE_INDEX, wh
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -47,11 +47,8 @@ class SampleAt(NamedTuple):
 class LocatedSampler(GlobalBatchSampler):
     """GlobalBatchSampler's indices, each with its step and place in the step's global batch (a ``SampleAt``)."""
 
-    def __iter__(self) -> Iterator[SampleAt]:  # type: ignore[override]
-        places = self.places_in_step().tolist()
-        for step, indices in self.steps():
-            for index, place in zip(indices, places, strict=True):
-                yield SampleAt(index, step, place)
+    def items(self, step: int, places: list[int], indices: list[int]) -> list[SampleAt]:
+        return [SampleAt(index, step, place) for index, place in zip(indices, places, strict=True)]
 
 
 class NormalisedImages(Dataset):

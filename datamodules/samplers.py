@@ -5,9 +5,9 @@ permutation (k = s mod steps per epoch), whatever the data-parallel size W or ac
 plan). Micro-batch a of data-parallel rank r takes the ``micro_batch_size`` positions starting at
 k*G + a*(micro*W) + r*micro. So a 1-process run and a 2-process run with the same global batch see the same samples
 in every step, ranks never share a sample, and resuming at step s only needs s: the stream restarts there.
-Fault-tolerant replica groups (app/strategies/fault_tolerance.py) cut the stream into replica batches of G / groups
-samples instead: a group's step reads replica batch u, positions [u*B, (u+1)*B), where u is the batches its job has
-committed so far plus the group's place in the step's quorum.
+A fault-tolerant replica group (app/strategies/fault_tolerance.py) reads the places its step's quorum gives it: of n
+groups, group r reads places [r*G/n, (r+1)*G/n) of the committed step's global batch, so the job reads the same
+stream as one process whatever the quorum.
 
 Validation: of the N windows of val.bin it reads n (all, or ``data.val_samples``), chosen evenly over the whole file:
 place i < n is window i * N // n. So the first is window 0, neighbours are floor(N/n) or ceil(N/n) apart, the last is
@@ -20,6 +20,7 @@ samples that count for nothing, so no rank waits in a collective for another to 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
@@ -44,22 +45,35 @@ class GlobalBatchSampler(Sampler[int]):
         self.plan = plan
         self.rank = data_parallel_rank
         self.current_step = current_step
-        self.steps_per_epoch = num_samples // plan.replica_batch_size
+        self.steps_per_epoch = num_samples // plan.global_batch_size
         # an asynchronous worker's steps, handed out by the parameter server (app/strategies/parameter_server/) until it
         # says stop: then the stream has no length, and no epochs
         self.assigned_steps: Callable[[], Iterator[int]] | None = None
-        # a fault-tolerant replica group's steps (app/strategies/fault_tolerance.py): each the replica batch its quorum
-        # gives it, asked for as the step starts (the loader must not read ahead: no workers, a known length)
-        self.next_step: Callable[[], int] | None = None
+        # a fault-tolerant replica group's steps (app/strategies/fault_tolerance.py): (step, places) as its quorum gives
+        # them, asked for as each step starts (the loader must not read ahead: no workers, a known length)
+        self.next_step: Callable[[], tuple[int, range]] | None = None
 
     def __len__(self) -> int:
         if self.assigned_steps is not None:
             raise TypeError("an asynchronous worker's stream ends when the parameter server says so")
         return self.steps_per_epoch * self.plan.accumulation * self.plan.micro_batch_size
 
-    def __iter__(self) -> Iterator[int]:
-        for _, indices in self.steps():
-            yield from indices
+    def __iter__(self) -> Iterator[Any]:
+        for step, places, indices in self.steps():
+            yield from self.items(step, places, indices)
+
+    def items(self, step: int, places: list[int], indices: list[int]) -> list[Any]:
+        """What the DataLoader hands the dataset for a step's samples: their indices (a subclass adds more)."""
+        return indices
+
+    def micro_batches(self, accumulation: int) -> Iterator[list[Any]]:
+        """Each step's items cut into ``accumulation`` equal micro-batches, whatever their number in the step (a
+        fault-tolerant group reads more while the quorum is smaller)."""
+        for step, places, indices in self.steps():
+            items = self.items(step, places, indices)
+            size = len(items) // accumulation
+            for start in range(0, len(items), size):
+                yield items[start:start + size]
 
     def places_in_step(self) -> torch.Tensor:
         """This rank's places in each step's global batch, in the order it reads them: micro-batch a takes the
@@ -68,22 +82,38 @@ class GlobalBatchSampler(Sampler[int]):
         groups = torch.tensor([plan.micro_batch_group(self.rank, a) for a in range(plan.accumulation)])
         return (groups.view(-1, 1) * plan.micro_batch_size + torch.arange(plan.micro_batch_size)).flatten()
 
-    def steps(self) -> Iterator[tuple[int, list[int]]]:
-        """(optimizer step, this rank's sample indices in it, in ``places_in_step`` order), step after step."""
+    def steps(self) -> Iterator[tuple[int, list[int], list[int]]]:
+        """(optimizer step, this rank's places in its global batch, the sample indices there), step after step."""
         first, plan = self.current_step(), self.plan
-        places = self.places_in_step()
-        permutation, permutation_epoch = None, -1
-        steps: Iterable[int] = range(first, first + self.steps_per_epoch)
+        fixed_places = self.places_in_step().tolist()
+        steps: Iterable[tuple[int, Iterable[int]]] = ((step, fixed_places)
+                                                       for step in range(first, first + self.steps_per_epoch))
         if self.assigned_steps is not None:
-            steps = self.assigned_steps()
+            steps = ((step, fixed_places) for step in self.assigned_steps())
         elif self.next_step is not None:
-            steps = (self.next_step() for _ in steps)
-        for step in steps:
+            steps = (self.next_step() for _ in range(self.steps_per_epoch))
+        permutation, permutation_epoch = torch.empty(0, dtype=torch.long), -1
+        for step, step_places in steps:
             data_epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
             if data_epoch != permutation_epoch:
                 generator = torch.Generator().manual_seed(derive_seed(plan.seed, data_epoch))
                 permutation, permutation_epoch = torch.randperm(self.num_samples, generator=generator), data_epoch
-            yield step, permutation[step_in_epoch * plan.replica_batch_size + places].tolist()
+            places = list(step_places)
+            yield step, places, permutation[step_in_epoch * plan.global_batch_size + torch.tensor(places)].tolist()
+
+
+class StepMicroBatches(Sampler[list[Any]]):
+    """A DataLoader's batch sampler over ``sampler.micro_batches``: micro-batches whose size each step decides."""
+
+    def __init__(self, sampler: GlobalBatchSampler, accumulation: int) -> None:
+        self.sampler = sampler
+        self.accumulation = accumulation
+
+    def __len__(self) -> int:
+        return self.sampler.steps_per_epoch * self.accumulation
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        return self.sampler.micro_batches(self.accumulation)
 
 
 class EvenShardSampler(Sampler[int]):

@@ -41,7 +41,7 @@ PRIVATE_ATTRIBUTES = [
     ("trainer", "_checkpoint_connector", "RunCheckpoint._write: dump_checkpoint without the barrier after it"),
     ("module", "_trainer", "models/language_model.py configure_model: the trainer or None, without raising"),
     ("fused_adamw", "_step_supports_amp_scaling", "bad_steps, language_model: the step reads found_inf itself"),
-    ("epoch_loop", "_batches_that_stepped", "fault_tolerance.py follow_committed_steps: the logging step"),
+    ("epoch_loop", "_batches_that_stepped", "fault_tolerance.py start_step: the logging step is the committed step"),
 ]
 
 

@@ -334,11 +334,19 @@ def check_fault_tolerance(config: Namespace, world_size: int) -> int:
                         "while the others go on: use stop or skip with FaultTolerantStrategy")
     given = {name: getattr(config.trainer.strategy.init_args, name, default)
              for name, default in FAULT_TOLERANT_DEFAULTS.items()}
-    groups = given["replica_groups"]
+    groups, fewest = int(given["replica_groups"]), int(given["min_replicas"])
     check_ranges(field, {"replica_groups": (groups >= 1, "at least 1"),
-                         "min_replicas": (1 <= given["min_replicas"] <= groups, f"between 1 and replica_groups={groups}"),
+                         "min_replicas": (1 <= fewest <= groups, f"between 1 and replica_groups={groups}"),
                          "max_restarts": (given["max_restarts"] >= 0, ">= 0")}, given)
-    return int(groups)
+    data = config.data.init_args
+    accumulation = data.global_batch_size // (data.micro_batch_size * groups)
+    for quorum in range(fewest, groups):  # the full quorum's arithmetic is the run plan's check
+        if accumulation and data.global_batch_size % (quorum * accumulation):
+            raise UserError(f"data.global_batch_size={data.global_batch_size} cannot be shared by a quorum of {quorum} "
+                            f"replica groups in {accumulation} equal micro-batches each: choose a global batch that "
+                            f"divides by {accumulation} x every quorum size from min_replicas={fewest} to "
+                            f"{groups}, or raise {field}.min_replicas")
+    return groups
 
 
 def is_ddp(strategy: str | Namespace | None) -> bool:

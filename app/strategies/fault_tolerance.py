@@ -17,12 +17,12 @@ process, and waits for them. A replica group is a whole copy of the model; the g
 A group that dies is dropped from the next quorum (after the lighthouse's heartbeat timeout) and torchrun restarts
 it; the others go on without waiting for it. The job stops only if fewer than ``min_replicas`` groups are alive.
 
-Batch and learning rate. Each group reads ``data.global_batch_size / replica_groups`` samples per step (its replica
-batch); a quorum of n groups takes n replica batches, in order, from one stream over the data: the step's global
-batch is n replica batches, and the next step starts where it ended (datamodules/samplers.py). So no sample is
-skipped or read twice while the quorum is smaller; the step's batch is smaller instead, its gradient the mean over
-the n groups (an unbiased gradient, noisier), and the learning rate and its schedule stay as configured: they follow
-the committed steps. Each group logs the quorum size, the global batch of each step, its commits and recoveries
+Batch and learning rate. The global batch stays ``data.global_batch_size`` whatever the quorum: of n groups, each
+reads G / n samples of the committed step's global batch, in the run's number of micro-batches (so a group's
+micro-batches grow while the quorum is smaller: memory to keep in reserve), and the gradient is their mean. So every
+step reads what one process would have read and takes the same update, up to the order of sums; the learning rate
+and its schedule follow the committed steps. A step that did not commit is done again on the same samples. Each
+group logs the quorum size, the samples it read, its failed commits, recoveries and time in quorums
 (``fault_tolerance/*`` in TensorBoard).
 
 Per group. Each group writes TensorBoard and checkpoints to ``lightning_logs/version_N/replica_group_G/`` (all
@@ -62,7 +62,7 @@ from torch.distributed._serialization import _streaming_load
 
 from core.errors import UserError
 from datamodules.base import ResumableDataLoader
-from datamodules.samplers import GlobalBatchSampler
+from datamodules.samplers import GlobalBatchSampler, StepMicroBatches
 
 REPLICA_GROUP_ENV = "COHORT_REPLICA_GROUP"  # set by the job for the processes of replica group G
 RUN_VERSION_ENV = "COHORT_RUN_VERSION"  # the job's lightning_logs/VERSION folder, where each group has its own
@@ -112,7 +112,7 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         self.committed_steps: CommittedSteps | None = None  # in a group's process, from setup_environment on
         self.recoveries = 0  # peer states this group has loaded
         self.quorum_seconds = 0.0  # spent waiting for quorums (and recoveries) since the start
-        self._training_loader: object = None
+        self._training_loader = ResumableDataLoader([])  # the training stream, from process_dataloader on
         self.job_store: TCPStore | None = None  # the job's, where groups count in at the start and the end
         self._rejoined = not restarted()  # a restarted group has rejoined once it has a live group's state
         self._store: TCPStore | None = None
@@ -172,28 +172,35 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
             wait_for_every_group(self.job_store, self.replica_groups, self.timeout)
 
     def process_dataloader(self, dataloader: object) -> object:
-        """The training stream reads, at each step's start, the replica batch the step's quorum gives this group."""
+        """The training stream: at each step's start, the places of the global batch the step's quorum gives this
+        group, cut into the run's number of micro-batches (larger ones while the quorum is smaller)."""
         sampler = getattr(dataloader, "sampler", None)
-        if self.manager is not None and isinstance(sampler, GlobalBatchSampler):
-            sampler.next_step = self.start_step
-            self._training_loader = dataloader
-        return dataloader
+        if self.manager is None or not isinstance(sampler, GlobalBatchSampler):
+            return dataloader
+        assert isinstance(dataloader, ResumableDataLoader)
+        sampler.next_step = self.start_step
+        self._training_loader = ResumableDataLoader(
+            dataloader.dataset, batch_sampler=StepMicroBatches(sampler, self.lightning_module.run_plan.accumulation),
+            collate_fn=dataloader.collate_fn, pin_memory=dataloader.pin_memory)
+        return self._training_loader
 
-    def start_step(self) -> int:
-        """Join the next step's quorum (after a restart, first load a live peer's state) and return the replica batch
-        this group reads in it: the stream's batches so far committed, plus this group's place in the quorum."""
+    def start_step(self) -> tuple[int, range]:
+        """Join the next step's quorum (after a restart, first load a live peer's state) and return the committed
+        step and this group's places in its global batch: the r-th of n equal shares, for place r in a quorum of n."""
         start = time.perf_counter()
         self.manager.start_quorum()
-        place = self.manager.participating_rank()
+        place, quorum = self.manager.participating_rank(), self.manager.num_participants()
         seconds = time.perf_counter() - start
         self.quorum_seconds += seconds
         # asked for while the loader fetches: not time spent reading data, which the monitor reports as a stall
-        if isinstance(self._training_loader, ResumableDataLoader):
-            self._training_loader.wait_seconds -= seconds
+        self._training_loader.wait_seconds -= seconds
         if not self._rejoined:
             self._check_rejoined()
-        # None only in a step that cannot commit (fewer than min_replicas alive): any batch will do
-        return self.manager.batches_committed() + (place or 0)
+        # TensorBoard's step for what this step logs; Lightning advanced it also after a step that did not commit
+        self.lightning_module.trainer.fit_loop.epoch_loop._batches_that_stepped = self.manager.current_step()
+        share = self.lightning_module.run_plan.global_batch_size // max(quorum, 1)
+        # place None: not in the quorum, a step that cannot commit (fewer than min_replicas): any share will do
+        return self.manager.current_step(), range((place or 0) * share, ((place or 0) + 1) * share)
 
     def _check_rejoined(self) -> None:
         """After a restart, the first quorum must hold a live group to take the run's state from: alone, this
@@ -282,7 +289,8 @@ def follow_committed_steps(trainer: L.Trainer, step: int, accumulation: int) -> 
     """Make Lightning's counts the committed steps: its step count (``global_step``: the schedule, checkpoints,
     max_steps, logging) and its count of training batches (when to validate): Lightning counts every optimizer step
     it ran, also one that did not commit, and a recovered group has not run the steps it took from its peer. The
-    batch counters all move by the same amount, whatever the phase of the batch (some lag by one)."""
+    batch counters move by the difference, whatever the phase of the batch (some lag by one). The logging step is
+    set as each step starts (``start_step``): a step that did not commit is logged at its own step."""
     loop = trainer.fit_loop.epoch_loop
     batches = loop.batch_progress.total
     shift = (step - trainer.global_step) * accumulation
@@ -290,7 +298,6 @@ def follow_committed_steps(trainer: L.Trainer, step: int, accumulation: int) -> 
     batches.processed, batches.completed = batches.processed + shift, batches.completed + shift
     progress = loop.automatic_optimization.optim_progress.optimizer.step.total
     progress.ready = progress.completed = step
-    loop._batches_that_stepped = step
     for config in trainer.lr_scheduler_configs:  # LambdaLR and its kin compute the rate from last_epoch
         config.scheduler.last_epoch = step - 1
         with warnings.catch_warnings():  # torch's warning that no optimizer step came first: none is meant to
@@ -326,7 +333,7 @@ class CommittedSteps(Callback):
             follow_committed_steps(trainer, committed, plan.accumulation)
         quorum = manager.num_participants()
         pl_module.log_dict({"fault_tolerance/quorum_size": float(quorum),
-                            "fault_tolerance/global_batch": float(quorum * plan.replica_batch_size),
+                            "fault_tolerance/samples_per_group": float(plan.global_batch_size // max(quorum, 1)),
                             "fault_tolerance/failed_commits": float(self.failed_commits),
                             "fault_tolerance/recoveries": float(self.strategy.recoveries),
                             "fault_tolerance/quorum_seconds": self.strategy.quorum_seconds})
