@@ -164,7 +164,7 @@ def test_pipeline_mistakes_get_one_line(tmp_path: Path, comparable_run_args: lis
     for extra, expected in cases:
         assert expected in one_line_error(["fit", *comparable_run_args, *QUIET, *PIPELINE, *extra], monkeypatch)
     assert_one_line_error(["predict", *comparable_run_args, *QUIET, *PIPELINE], tmp_path,
-                          "run cohort consolidate on the checkpoint")
+                          "predict on one process (configs/trainer/cpu.yaml) with the same --ckpt_path")
 
 
 def test_16_mixed_is_refused_with_pipeline_stages() -> None:

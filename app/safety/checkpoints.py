@@ -1,11 +1,13 @@
 """Checkpoints: writing them so that a crash never leaves a half-written one in place, finding the newest, checking
-one before a run starts, reading them as data, keying optimizer state by parameter name, and consolidating a
-sharded one into one file.
+one before a run starts, reading them as data (a sharded folder also as one whole checkpoint), keying optimizer
+state by parameter name, and consolidating a sharded one into one file.
 
-A checkpoint is one file (one process, DDP) or a folder of shards (torch.distributed.checkpoint, under fsdp and
-model_parallel) whose ``meta.pt`` holds everything but the weights and optimizer states. Either way the optimizer
-state is keyed by parameter name, as sharded strategies store it, so a checkpoint moves between strategies: a
-plain optimizer's positions depend on the weight-decay groups, names do not. Every read goes through
+A checkpoint is one file (one process, DDP) or a folder of shards (torch.distributed.checkpoint, under fsdp,
+model_parallel and the pipeline) whose ``meta.pt`` holds everything but the weights and optimizer states. Either
+way the optimizer state is keyed by parameter name, as sharded strategies store it, so a checkpoint moves between
+strategies: a plain optimizer's positions depend on the weight-decay groups, names do not. Sharded strategies read
+a file or a folder of any sharding themselves; one device and DDP read a folder through ``FolderReadingCheckpointIO``
+as if it had been consolidated, without writing the file. Every read goes through
 torch's ``weights_only`` unpickler, which builds only tensors, containers and plain values: a file whose pickle
 would import or call anything else is refused with the name of what it asked for, and nothing of it runs.
 Cohort's own checkpoints need nothing beyond that unpickler's defaults. ``--weights_only false`` on the command
@@ -28,9 +30,10 @@ from weakref import proxy
 import lightning as L
 import torch
 from jsonargparse import Namespace
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
@@ -316,6 +319,27 @@ def consolidate(folder: Path, output: Path) -> dict[str, Any]:
     torch.save(checkpoint, partial)
     partial.replace(output)
     return checkpoint
+
+
+class FolderReadingCheckpointIO(TorchCheckpointIO):
+    """Lightning's reader and writer of one-file checkpoints that also reads a sharded checkpoint folder, whole, in
+    every process, as ``load_sharded_checkpoint`` makes it: what a strategy that loads a checkpoint whole (one
+    device, DDP) restores from as if the folder had been consolidated. Each process then holds the whole checkpoint,
+    as each DDP rank holds the whole model anyway."""
+
+    def load_checkpoint(self, path: str | Path, **options: Any) -> dict[str, Any]:
+        if Path(path).is_dir():  # read as data whatever weights_only says: Cohort's folders need nothing else
+            return load_sharded_checkpoint(Path(path))
+        return super().load_checkpoint(path, **options)
+
+
+def read_sharded_folders(strategy: Strategy) -> None:
+    """Give a strategy that loads checkpoints through Lightning's own CheckpointIO (one device, DDP and the
+    strategies built on it) a ``FolderReadingCheckpointIO`` instead, so that it resumes from a sharded folder too.
+    Sharded strategies, which load a folder of any sharding themselves, and a CheckpointIO of the user's keep theirs."""
+    loads_through_io = type(strategy).load_checkpoint is Strategy.load_checkpoint
+    if loads_through_io and type(strategy.checkpoint_io) is TorchCheckpointIO:
+        strategy.checkpoint_io = FolderReadingCheckpointIO()
 
 
 def load_sharded_checkpoint(folder: Path) -> dict[str, Any]:
