@@ -145,6 +145,7 @@ class RunCheckpoint(ModelCheckpoint):
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         number_optimizer_states(trainer, checkpoint)  # Lightning calls this before it loads the optimizer states
+        recount_micro_batches(trainer, checkpoint)  # and before it loads the loops' progress
 
     @staticmethod
     def _link_checkpoint(trainer: L.Trainer, filepath: str, linkpath: str) -> None:
@@ -380,6 +381,24 @@ def number_optimizer_states(trainer: L.Trainer, checkpoint: dict[str, Any]) -> N
     for index, optimizer in enumerate(trainer.optimizers[: len(states)]):
         if not keyed_by_position(states[index]):
             states[index] = optimizer_state_by_position(states[index], optimizer, names)
+
+
+def recount_micro_batches(trainer: L.Trainer, checkpoint: dict[str, Any]) -> None:
+    """Lightning's count of the micro-batches in ``checkpoint``'s training epoch made, in place, what this run's
+    accumulation would have counted for the same optimizer steps. Lightning ends an optimizer step, validates and
+    ends an epoch by that count, and a run of another data-parallel size (the same global batch in other
+    micro-batch counts) counted its own: resumed as it is, a step would end after the wrong number of micro-batches.
+    Every checkpoint is written at the end of an optimizer step, where the count is steps x accumulation; the counts
+    of earlier epochs, which no decision reads, keep their difference to this one's."""
+    progress = checkpoint.get("loops", {}).get("fit_loop")
+    if progress is None:  # a checkpoint of weights only
+        return
+    micro_batches = progress["epoch_loop.batch_progress"]
+    optimizer_steps = progress["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["current"]
+    shift = optimizer_steps["completed"] * trainer.accumulate_grad_batches - micro_batches["current"]["processed"]
+    for counts in (micro_batches["current"], micro_batches["total"]):  # ready, started, processed, completed
+        for name in counts:
+            counts[name] += shift
 
 
 def parameter_names(module: torch.nn.Module) -> dict[int, str]:
