@@ -193,7 +193,7 @@ class CohortCLI(LightningCLI):
         """Build the trainer, model and datamodule, and hand the run plan to them; one device and DDP read a sharded
         checkpoint folder too."""
         super().instantiate_classes()
-        read_sharded_folders(self.trainer.strategy)
+        read_sharded_folders(self.trainer)
         plan = self.run_plan.for_rank(self.trainer.global_rank)
         self.model.run_plan = self.datamodule.run_plan = plan
         self.trainer.accumulate_grad_batches = plan.accumulation

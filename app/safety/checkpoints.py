@@ -33,7 +33,7 @@ from jsonargparse import Namespace
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
@@ -334,12 +334,14 @@ class FolderReadingCheckpointIO(TorchCheckpointIO):
         return super().load_checkpoint(path, **options)
 
 
-def read_sharded_folders(strategy: Strategy) -> None:
-    """Give a strategy that loads checkpoints through Lightning's own CheckpointIO (one device, DDP and the
-    strategies built on it) a ``FolderReadingCheckpointIO`` instead, so that it resumes from a sharded folder too.
-    Sharded strategies, which load a folder of any sharding themselves, and a CheckpointIO of the user's keep theirs."""
-    loads_through_io = type(strategy).load_checkpoint is Strategy.load_checkpoint
-    if loads_through_io and type(strategy.checkpoint_io) is TorchCheckpointIO:
+def read_sharded_folders(trainer: L.Trainer) -> None:
+    """Give the trainer's strategy, if it loads a checkpoint whole through Lightning's own CheckpointIO (one device,
+    DDP and the strategies built on them), a ``FolderReadingCheckpointIO`` instead, so that it resumes from a sharded
+    folder too. Sharded strategies load a file or a folder of any sharding themselves; a CheckpointIO of the user's
+    stays."""
+    strategy = trainer.strategy
+    sharded = isinstance(strategy, (FSDPStrategy, ModelParallelStrategy))
+    if not sharded and type(strategy.checkpoint_io) is TorchCheckpointIO:
         strategy.checkpoint_io = FolderReadingCheckpointIO()
 
 
