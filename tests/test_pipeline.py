@@ -19,14 +19,12 @@ from models.gpt import GPT_CONFIGS
 from models.language_model import build_gpt
 from models.pipeline import split_layers
 from tests.helpers import (
-    CLIP, CONFIG_DIR, MODEL_PARALLEL, QUIET, SAME_VALIDATION_LOSS, assert_one_line_error,
+    CLIP, MODEL_PARALLEL, PIPELINE, QUIET, SAME_VALIDATION_LOSS, assert_one_line_error,
     assert_sharded_resume_after_sigkill_is_bitwise_exact, assert_weights_agree, fit, fit_in_process, last_checkpoint,
     one_line_error, run_cohort, scalars, validate,
 )
 
 pytestmark = pytest.mark.slow
-
-PIPELINE = ["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")]
 
 
 def schedule(name: str, microbatches: int) -> list[str]:
