@@ -711,4 +711,3 @@ class RecordWeightDigests(Callback):
             digest.update(local.detach().cpu().clone().numpy().tobytes())  # a copy: FSDP2 resizes its storage
         self.digests[trainer.global_step] = digest.hexdigest()
         (self.out_dir / f"digests_rank{trainer.global_rank}.json").write_text(json.dumps(self.digests))
-
