@@ -36,6 +36,9 @@ QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summa
 ONE_STEP = ["--trainer.max_steps", "1"]  # should a check let a run start, it ends at once
 DDP_2 = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
 MODEL_PARALLEL = ["-c", str(CONFIG_DIR / "trainer/model_parallel_cpu.yaml")]  # FSDP2 (dp=2, tp=1) on 2 processes
+TENSOR_PARALLEL = [*MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
+                   "--trainer.strategy.init_args.tensor_parallel_size", "2"]  # every layer split over 2 processes
+PIPELINE = ["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")]  # 2 stages (1F1B) on 2 processes
 GPU_LAYOUTS = {  # the shipped GPU presets on 1 or 2 GPUs
     "1 gpu": ["-c", str(CONFIG_DIR / "trainer/gpu_bf16.yaml")],
     "fsdp-1": ["-c", str(CONFIG_DIR / "trainer/fsdp_gpu_bf16.yaml"), "--trainer.devices", "1"],
@@ -241,9 +244,14 @@ def last_checkpoint(run_dir: Path, version: int = 0) -> Path:
 def last_checkpoint_contents(run_dir: Path, version: int = 0) -> dict[str, Any]:
     """A run's final checkpoint as one dict (weights, hyperparameters, global_step), also from a sharded checkpoint
     folder (consolidated first)."""
-    path = last_checkpoint(run_dir, version)
+    return checkpoint_contents(last_checkpoint(run_dir, version))
+
+
+def checkpoint_contents(path: Path) -> dict[str, Any]:
+    """A checkpoint as one dict, also a sharded checkpoint folder (consolidated first into NAME.consolidated.ckpt
+    beside it, which later calls read)."""
     if path.is_dir():
-        consolidated = path.with_name("last.consolidated.ckpt")
+        consolidated = path.with_name(f"{path.stem}.consolidated.ckpt")
         if not consolidated.exists():
             consolidate(path, consolidated)
         path = consolidated
@@ -283,12 +291,37 @@ def assert_weights_agree(one: Path, other: Path) -> None:
     """Two runs' final weights hold the same names and agree within ``adam_weight_drift`` element by element: what
     the arithmetic allows when only the order of sums differs. (The runs' per-step losses and gradient norms are
     the tight checks: they add up every parameter, so a few flipped near-zero elements cannot move them.)"""
-    a, b = last_checkpoint_contents(one), last_checkpoint_contents(other)
+    assert_checkpoint_weights_agree(last_checkpoint_contents(one), last_checkpoint_contents(other))
+
+
+def assert_checkpoint_weights_agree(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """assert_weights_agree for two checkpoints' contents."""
     assert a["global_step"] == b["global_step"]
     drift = adam_weight_drift(a)
     assert a["state_dict"].keys() == b["state_dict"].keys()
     for name, tensor in a["state_dict"].items():
         torch.testing.assert_close(tensor, b["state_dict"][name], rtol=0, atol=drift, msg=name)
+
+
+def assert_restored_exactly(written: dict[str, Any], restored: dict[str, Any]) -> None:
+    """A checkpoint a run wrote and one of the state another run restored from it (SaveRestoredCheckpoint): the same
+    step and learning-rate schedule, bitwise the same weights and optimizer state of every parameter, by name, and
+    the same parameters and hyperparameters in each of the optimizer's groups."""
+    assert restored["global_step"] == written["global_step"]
+    assert restored["lr_schedulers"] == written["lr_schedulers"]
+    assert_weights_equal(written["state_dict"], restored["state_dict"])
+    for saved, loaded in zip(written["optimizer_states"], restored["optimizer_states"], strict=True):
+        assert saved["state"].keys() == loaded["state"].keys()
+        for name, moments in saved["state"].items():
+            assert_weights_equal(moments, loaded["state"][name])
+        assert list(map(comparable_group, saved["param_groups"])) == list(map(comparable_group, loaded["param_groups"]))
+
+
+def comparable_group(group: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's param group as checkpoints of any layout hold it alike: its parameters as a set (a pipeline lists
+    them stage by stage) and its tuples (Adam's betas) as lists, as torch.distributed.checkpoint stores them."""
+    return {key: set(value) if key == "params" else list(value) if isinstance(value, tuple) else value
+            for key, value in group.items()}
 
 
 def assert_weights_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -674,6 +707,17 @@ class PoisonGradientAtStep(Callback):
             grad = next(pl_module.parameters()).grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad  # this rank's shard, no collective
             local.view(-1)[0] = float("nan")
+
+
+class SaveRestoredCheckpoint(Callback):
+    """Writes, as training starts (before the first step), a checkpoint of what the run restored from its
+    ``--ckpt_path`` to ``path``: in the run's own layout, a file or a sharded folder."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
 
 
 class RecordWeightDigests(Callback):

@@ -87,9 +87,9 @@ def corrupt_checkpoint(folder: Path) -> tuple[list[str], str]:
     return ["--ckpt_path", str(folder / "bad.ckpt")], "not a torch checkpoint"
 
 
-def sharded_checkpoint_without_a_sharded_strategy(folder: Path) -> tuple[list[str], str]:
-    (folder / "last.ckpt").mkdir()  # what model_parallel, pipeline and fsdp write: a folder
-    return ["--ckpt_path", str(folder / "last.ckpt")], "is a sharded checkpoint folder, which only the model_parallel"
+def incomplete_sharded_checkpoint(folder: Path) -> tuple[list[str], str]:
+    (folder / "last.ckpt").mkdir()  # a folder, as model_parallel, pipeline and fsdp write, but without its shards
+    return ["--ckpt_path", str(folder / "last.ckpt")], "is not a complete sharded checkpoint folder"
 
 
 BAD_INPUTS = [
@@ -107,7 +107,7 @@ BAD_INPUTS = [
     sequence_longer_than_the_model,
     missing_checkpoint,
     corrupt_checkpoint,
-    sharded_checkpoint_without_a_sharded_strategy,
+    incomplete_sharded_checkpoint,
 ]
 
 

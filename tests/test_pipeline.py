@@ -19,14 +19,12 @@ from models.gpt import GPT_CONFIGS
 from models.language_model import build_gpt
 from models.pipeline import split_layers
 from tests.helpers import (
-    CLIP, CONFIG_DIR, MODEL_PARALLEL, QUIET, SAME_VALIDATION_LOSS, assert_one_line_error,
+    CLIP, MODEL_PARALLEL, PIPELINE, QUIET, SAME_VALIDATION_LOSS, assert_one_line_error,
     assert_sharded_resume_after_sigkill_is_bitwise_exact, assert_weights_agree, fit, fit_in_process, last_checkpoint,
     one_line_error, run_cohort, scalars, validate,
 )
 
 pytestmark = pytest.mark.slow
-
-PIPELINE = ["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")]
 
 
 def schedule(name: str, microbatches: int) -> list[str]:
@@ -164,7 +162,7 @@ def test_pipeline_mistakes_get_one_line(tmp_path: Path, comparable_run_args: lis
     for extra, expected in cases:
         assert expected in one_line_error(["fit", *comparable_run_args, *QUIET, *PIPELINE, *extra], monkeypatch)
     assert_one_line_error(["predict", *comparable_run_args, *QUIET, *PIPELINE], tmp_path,
-                          "run cohort consolidate on the checkpoint")
+                          "predict on one process (configs/trainer/cpu.yaml) with the same --ckpt_path")
 
 
 def test_16_mixed_is_refused_with_pipeline_stages() -> None:

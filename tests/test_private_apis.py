@@ -92,3 +92,11 @@ def test_a_fused_adamw_step_skips_itself_on_found_inf() -> None:
     optimizer.found_inf = torch.tensor(0.0)
     optimizer.step()
     assert not torch.equal(param.detach(), torch.ones(3)) and optimizer.state[param]["step"].item() == 1
+
+
+def test_the_fit_loop_still_counts_micro_batches_and_optimizer_steps_per_epoch() -> None:
+    """app/safety/checkpoints.py recount_micro_batches rewrites these counters of a checkpoint's fit loop."""
+    progress = instances()["trainer"].fit_loop.state_dict()
+    assert set(progress["epoch_loop.batch_progress"]["current"]) == {"ready", "started", "processed", "completed"}
+    assert set(progress["epoch_loop.batch_progress"]["total"]) == {"ready", "started", "processed", "completed"}
+    assert "completed" in progress["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["current"]

@@ -9,15 +9,13 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
-    MODEL_PARALLEL, QUIET, assert_comparable_runs_agree, assert_one_line_error, assert_one_line_error_in_process,
-    assert_sharded_resume_after_sigkill_is_bitwise_exact, assert_weights_agree, fit, last_checkpoint, run_cohort,
-    validate,
+    MODEL_PARALLEL, QUIET, TENSOR_PARALLEL, assert_comparable_runs_agree, assert_one_line_error,
+    assert_one_line_error_in_process, assert_sharded_resume_after_sigkill_is_bitwise_exact, assert_weights_agree, fit,
+    last_checkpoint, run_cohort, validate,
 )
 
 pytestmark = pytest.mark.slow
 
-TENSOR_PARALLEL = [*MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
-                   "--trainer.strategy.init_args.tensor_parallel_size", "2"]
 SHARDED_ON_ONE_PROCESS = [*MODEL_PARALLEL, "--trainer.devices", "1",
                           "--trainer.strategy.init_args.data_parallel_size", "1"]
 

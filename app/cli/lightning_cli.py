@@ -30,7 +30,7 @@ from app.observability.flight_recorder import NcclFlightRecorder
 from app.observability.monitor import RankMonitor
 from app.observability.progress import StepProgress
 from app.safety.bad_steps import BadStepGuard
-from app.safety.checkpoints import RunCheckpoint
+from app.safety.checkpoints import RunCheckpoint, read_sharded_folders
 from app.safety.determinism import PerRankSeed, SameThreadsOnEveryRank
 from app.safety.preemption import PreemptionCheckpoint, preemption_callback
 from app.safety.replica_check import ReplicaCheck, ReplicaDivergenceError
@@ -190,8 +190,10 @@ class CohortCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
     def instantiate_classes(self) -> None:
-        """Build the trainer, model and datamodule, and hand the run plan to them."""
+        """Build the trainer, model and datamodule, and hand the run plan to them; one device and DDP read a sharded
+        checkpoint folder too."""
         super().instantiate_classes()
+        read_sharded_folders(self.trainer)
         plan = self.run_plan.for_rank(self.trainer.global_rank)
         self.model.run_plan = self.datamodule.run_plan = plan
         self.trainer.accumulate_grad_batches = plan.accumulation

@@ -84,8 +84,8 @@ class Preflight:
             raise UserError(f"{family.__name__} has no {self.subcommand} (it has {', '.join(family.commands)}): "
                             "cohort validate reports its validation metrics")
         if self.subcommand == "predict" and self.plan.pipeline_parallel_size > 1:
-            raise UserError("predict samples token by token through the whole model, which a pipeline splits: run "
-                            "cohort consolidate on the checkpoint, then predict on one process (configs/trainer/cpu.yaml)")
+            raise UserError("predict samples token by token through the whole model, which a pipeline splits: predict "
+                            "on one process (configs/trainer/cpu.yaml) with the same --ckpt_path, which reads it whole")
         return self.plan.describe()
 
     def resolve_checkpoint(self) -> str:
@@ -107,11 +107,7 @@ class Preflight:
                             "this model (a run's lightning_logs/version_N/checkpoints/last.ckpt, or last)")
         if config.ckpt_path in (None, "last"):
             return "a new run" if config.ckpt_path is None else "Lightning's own lookup of the last checkpoint"
-        path = Path(config.ckpt_path)
-        if path.is_dir() and not reads_sharded_checkpoints(config.trainer.strategy):
-            raise UserError(f"{path} is a sharded checkpoint folder, which only the model_parallel, pipeline and fsdp "
-                            f"strategies read: run cohort consolidate {path} and pass the file it writes")
-        check_checkpoint(path, config.model, config.weights_only)
+        check_checkpoint(Path(config.ckpt_path), config.model, config.weights_only)
         return f"resumes from {config.ckpt_path}"
 
     def resolve_replica_group_folders(self) -> str:
@@ -234,11 +230,6 @@ def is_fsdp(strategy: str | Namespace | None) -> bool:
     """FSDP version 1: Lightning's "fsdp" strategies (FSDP2 runs under ModelParallelStrategy)."""
     name = strategy_name(strategy)
     return name.startswith("fsdp") or name.endswith("FSDPStrategy")
-
-
-def reads_sharded_checkpoints(strategy: str | Namespace | None) -> bool:
-    """Whether the strategy loads a sharded checkpoint folder (torch.distributed.checkpoint) in place."""
-    return is_fsdp(strategy) or strategy_name(strategy).endswith(("ModelParallelStrategy", "PipelineParallelStrategy"))
 
 
 def accelerator_name(trainer: Namespace) -> str:

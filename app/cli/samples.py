@@ -30,8 +30,8 @@ class PrintGeneratedText(Callback):
         if datamodule.vocab_size != 256 or not isinstance(pl_module, WritesText) or stopped_by_signal(trainer):
             return
         if pl_module.pipeline is not None:  # each rank holds one stage; sampling runs the whole model token by token
-            rank_zero_info("\n--- no sample: generating needs the whole model; cohort consolidate the last checkpoint "
-                           "and run cohort predict on one process ---")
+            rank_zero_info("\n--- no sample: generating needs the whole model; run cohort predict on one process with "
+                           "--ckpt_path last ---")
             return
         prompt = torch.tensor([list(datamodule.prompts[0].encode())])
         completion = pl_module.generate_text(prompt)

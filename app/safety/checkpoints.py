@@ -1,11 +1,13 @@
 """Checkpoints: writing them so that a crash never leaves a half-written one in place, finding the newest, checking
-one before a run starts, reading them as data, keying optimizer state by parameter name, and consolidating a
-sharded one into one file.
+one before a run starts, reading them as data (a sharded folder also as one whole checkpoint), keying optimizer
+state by parameter name, and consolidating a sharded one into one file.
 
-A checkpoint is one file (one process, DDP) or a folder of shards (torch.distributed.checkpoint, under fsdp and
-model_parallel) whose ``meta.pt`` holds everything but the weights and optimizer states. Either way the optimizer
-state is keyed by parameter name, as sharded strategies store it, so a checkpoint moves between strategies: a
-plain optimizer's positions depend on the weight-decay groups, names do not. Every read goes through
+A checkpoint is one file (one process, DDP) or a folder of shards (torch.distributed.checkpoint, under fsdp,
+model_parallel and the pipeline) whose ``meta.pt`` holds everything but the weights and optimizer states. Either
+way the optimizer state is keyed by parameter name, as sharded strategies store it, so a checkpoint moves between
+strategies: a plain optimizer's positions depend on the weight-decay groups, names do not. Sharded strategies read
+a file or a folder of any sharding themselves; one device and DDP read a folder through ``FolderReadingCheckpointIO``
+as if it had been consolidated, without writing the file. Every read goes through
 torch's ``weights_only`` unpickler, which builds only tensors, containers and plain values: a file whose pickle
 would import or call anything else is refused with the name of what it asked for, and nothing of it runs.
 Cohort's own checkpoints need nothing beyond that unpickler's defaults. ``--weights_only false`` on the command
@@ -28,6 +30,7 @@ from weakref import proxy
 import lightning as L
 import torch
 from jsonargparse import Namespace
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
@@ -142,6 +145,7 @@ class RunCheckpoint(ModelCheckpoint):
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         number_optimizer_states(trainer, checkpoint)  # Lightning calls this before it loads the optimizer states
+        recount_micro_batches(trainer, checkpoint)  # and before it loads the loops' progress
 
     @staticmethod
     def _link_checkpoint(trainer: L.Trainer, filepath: str, linkpath: str) -> None:
@@ -320,6 +324,29 @@ def consolidate(folder: Path, output: Path) -> dict[str, Any]:
     return checkpoint
 
 
+class FolderReadingCheckpointIO(TorchCheckpointIO):
+    """Lightning's reader and writer of one-file checkpoints that also reads a sharded checkpoint folder, whole, in
+    every process, as ``load_sharded_checkpoint`` makes it: what a strategy that loads a checkpoint whole (one
+    device, DDP) restores from as if the folder had been consolidated. Each process then holds the whole checkpoint,
+    as each DDP rank holds the whole model anyway."""
+
+    def load_checkpoint(self, path: str | Path, **options: Any) -> dict[str, Any]:
+        if Path(path).is_dir():  # read as data whatever weights_only says: Cohort's folders need nothing else
+            return load_sharded_checkpoint(Path(path))
+        return super().load_checkpoint(path, **options)
+
+
+def read_sharded_folders(trainer: L.Trainer) -> None:
+    """Give the trainer's strategy, if it loads a checkpoint whole through Lightning's own CheckpointIO (one device,
+    DDP and the strategies built on them), a ``FolderReadingCheckpointIO`` instead, so that it resumes from a sharded
+    folder too. Sharded strategies load a file or a folder of any sharding themselves; a CheckpointIO of the user's
+    stays."""
+    strategy = trainer.strategy
+    sharded = isinstance(strategy, (FSDPStrategy, ModelParallelStrategy))
+    if not sharded and type(strategy.checkpoint_io) is TorchCheckpointIO:
+        strategy.checkpoint_io = FolderReadingCheckpointIO()
+
+
 def load_sharded_checkpoint(folder: Path) -> dict[str, Any]:
     """A sharded checkpoint folder as one single-file checkpoint in memory (weights and optimizer states as full
     tensors, laid out as a one-process run saves them); all of it must fit in this process's CPU memory."""
@@ -358,6 +385,24 @@ def number_optimizer_states(trainer: L.Trainer, checkpoint: dict[str, Any]) -> N
     for index, optimizer in enumerate(trainer.optimizers[: len(states)]):
         if not keyed_by_position(states[index]):
             states[index] = optimizer_state_by_position(states[index], optimizer, names)
+
+
+def recount_micro_batches(trainer: L.Trainer, checkpoint: dict[str, Any]) -> None:
+    """Lightning's count of the micro-batches in ``checkpoint``'s training epoch made, in place, what this run's
+    accumulation would have counted for the same optimizer steps. Lightning ends an optimizer step, validates and
+    ends an epoch by that count, and a run of another data-parallel size (the same global batch in other
+    micro-batch counts) counted its own: resumed as it is, a step would end after the wrong number of micro-batches.
+    Every checkpoint is written at the end of an optimizer step, where the count is steps x accumulation; the counts
+    of earlier epochs, which no decision reads, keep their difference to this one's."""
+    progress = checkpoint.get("loops", {}).get("fit_loop")
+    if progress is None:  # a checkpoint of weights only
+        return
+    micro_batches = progress["epoch_loop.batch_progress"]
+    optimizer_steps = progress["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["current"]
+    shift = optimizer_steps["completed"] * trainer.accumulate_grad_batches - micro_batches["current"]["processed"]
+    for counts in (micro_batches["current"], micro_batches["total"]):  # ready, started, processed, completed
+        for name in counts:
+            counts[name] += shift
 
 
 def parameter_names(module: torch.nn.Module) -> dict[int, str]:

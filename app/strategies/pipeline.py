@@ -1,15 +1,24 @@
 """Lightning has no pipeline-parallel strategy (Lightning-AI/pytorch-lightning#17180), so Cohort adds the one
-thing ModelParallelStrategy lacks for it: a third mesh dimension. Everything else (process groups, placement,
-FSDP2 and tensor parallelism over the inner dimensions, sharded checkpoints) is ModelParallelStrategy's; the
-stages and the schedule are built by the model (models/pipeline.py) from the run plan."""
+thing ModelParallelStrategy lacks for it: a third mesh dimension, and a reader of one-file checkpoints that
+gives each stage its own part. Everything else (process groups, placement, FSDP2 and tensor parallelism over the
+inner dimensions, sharded checkpoints) is ModelParallelStrategy's; the stages and the schedule are built by the
+model (models/pipeline.py) from the run plan."""
 
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -75,3 +84,20 @@ class PipelineParallelStrategy(ModelParallelStrategy):
         for index, group in enumerate(state["param_groups"]):
             group["params"] = list(dict.fromkeys(name for names in stages for name in names[index]))
         return state
+
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        """As ModelParallelStrategy's, but a one-file checkpoint is read whole by every rank, which keeps its own
+        stage's weights and optimizer state. (Lightning's reader sends each weight from rank 0 to every rank, in
+        the order of rank 0's stage: the ranks of another stage would wait for their own weights and get rank 0's.)
+        Returns the rest of the checkpoint, as ModelParallelStrategy's does."""
+        path = Path(self.broadcast(checkpoint_path))
+        if path.is_dir():
+            return super().load_checkpoint(path, weights_only)
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+        stage, weights = self.lightning_module, checkpoint.pop("state_dict")
+        options = StateDictOptions(full_state_dict=True, strict=stage.strict_loading)
+        own = {name: weights[name] for name in get_model_state_dict(stage) if name in weights}  # not other stages'
+        set_model_state_dict(stage, own, options=options)
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+            set_optimizer_state_dict(stage, optimizer, state, options=options)  # takes this stage's names
+        return checkpoint

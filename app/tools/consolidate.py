@@ -1,12 +1,13 @@
-"""``cohort consolidate``: turn a sharded checkpoint folder into one file that any strategy loads.
+"""``cohort consolidate``: turn a sharded checkpoint folder into one file, to share or for ``load_from_checkpoint``.
 
     cohort consolidate lightning_logs/version_0/checkpoints/last.ckpt            # -> last.consolidated.ckpt
     cohort consolidate lightning_logs/version_0/checkpoints/last.ckpt full.ckpt
-    cohort validate -c configs/quickstart.yaml --ckpt_path full.ckpt             # one process, no sharding
 
-Sharded checkpoints (torch.distributed.checkpoint, written by the fsdp and model_parallel strategies) are folders
-with one file per rank. Consolidating reads every shard in this one process, so the whole checkpoint (weights
-and optimizer state) must fit in its CPU memory; no process group is needed.
+Sharded checkpoints (torch.distributed.checkpoint, written by the fsdp, model_parallel and pipeline strategies) are
+folders with one file per rank. Every strategy resumes from the folder itself (one process and DDP read it whole,
+as this does, without writing the file); one file is for moving a checkpoint elsewhere. Consolidating reads every
+shard in this one process, so the whole checkpoint (weights and optimizer state) must fit in its CPU memory; no
+process group is needed.
 """
 
 from __future__ import annotations
