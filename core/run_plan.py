@@ -42,7 +42,7 @@ class RunPlan:
     # workers of an asynchronous run (app/strategies/parameter_server/), rank 0 being the server; 0: the ranks step
     # together. Each update is one global batch that one worker computes: the data-parallel size is then 1
     asynchronous_workers: int = 0
-    # fault-tolerant replica groups (app/strategies/fault_tolerance.py), each a job of its own; a quorum of n of them
+    # fault-tolerant replica groups (app/strategies/fault_tolerance/), each a job of its own; a quorum of n of them
     # shares each global batch, each reading global_batch_size / n; 1: one job
     replica_groups: int = 1
 

@@ -5,7 +5,7 @@ permutation (k = s mod steps per epoch), whatever the data-parallel size W or ac
 plan). Micro-batch a of data-parallel rank r takes the ``micro_batch_size`` positions starting at
 k*G + a*(micro*W) + r*micro. So a 1-process run and a 2-process run with the same global batch see the same samples
 in every step, ranks never share a sample, and resuming at step s only needs s: the stream restarts there.
-A fault-tolerant replica group (app/strategies/fault_tolerance.py) reads the places its step's quorum gives it: of n
+A fault-tolerant replica group (app/strategies/fault_tolerance/) reads the places its step's quorum gives it: of n
 groups, group r reads places [r*G/n, (r+1)*G/n) of the committed step's global batch, so the job reads the same
 stream as one process whatever the quorum.
 
@@ -49,7 +49,7 @@ class GlobalBatchSampler(Sampler[int]):
         # an asynchronous worker's steps, handed out by the parameter server (app/strategies/parameter_server/) until it
         # says stop: then the stream has no length, and no epochs
         self.assigned_steps: Callable[[], Iterator[int]] | None = None
-        # a fault-tolerant replica group's steps (app/strategies/fault_tolerance.py): (step, places) as its quorum gives
+        # a fault-tolerant replica group's steps (app/strategies/fault_tolerance/): (step, places) as its quorum gives
         # them, asked for as each step starts (the loader must not read ahead: no workers, a known length)
         self.next_step: Callable[[], tuple[int, range]] | None = None
 

@@ -1,4 +1,4 @@
-"""Fault-tolerant replica groups (app/strategies/fault_tolerance.py): groups that train as one process does, a group
+"""Fault-tolerant replica groups (app/strategies/fault_tolerance/): groups that train as one process does, a group
 killed mid-run that comes back with a live group's state while the others go on, and one line for what cannot run."""
 
 from __future__ import annotations

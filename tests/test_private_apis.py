@@ -29,11 +29,11 @@ PRIVATE_METHODS = [
     (load, "_load_distributed_checkpoint", "app/safety/checkpoints.py load_sharded_checkpoint: shards as full tensors"),
     (torch, "_foreach_mul_", "models/parallelize.py: scale every mesh's gradients in one call when clipping"),
     (powerSGD_hook, "_should_compress", "app/strategies/gradient_compression.py factor_slots: each Q factor's slot"),
-    (_serialization, "_streaming_load", "app/strategies/fault_tolerance.py: a peer's state read weights-only"),
-    (SingleDeviceStrategy, "_configure_launcher", "FaultTolerantStrategy: cohort fit starts the replica groups"),
+    (_serialization, "_streaming_load", "fault_tolerance/strategy.py: a peer's state read weights-only"),
+    (SingleDeviceStrategy, "_configure_launcher", "fault_tolerance/strategy.py: cohort fit starts the replica groups"),
 ]
 PRIVATE_CLASSES = [
-    (launcher, "_Launcher", "app/strategies/fault_tolerance.py ReplicaGroupsLauncher: Lightning's launcher interface"),
+    (launcher, "_Launcher", "fault_tolerance/job.py ReplicaGroupsLauncher: Lightning's launcher interface"),
 ]
 PRIVATE_ATTRIBUTES = [
     ("checkpoint", "_last_checkpoint_saved", "RunCheckpoint: the newest file, for messages and the history"),
@@ -41,7 +41,7 @@ PRIVATE_ATTRIBUTES = [
     ("trainer", "_checkpoint_connector", "RunCheckpoint._write: dump_checkpoint without the barrier after it"),
     ("module", "_trainer", "models/language_model.py configure_model: the trainer or None, without raising"),
     ("fused_adamw", "_step_supports_amp_scaling", "bad_steps, language_model: the step reads found_inf itself"),
-    ("epoch_loop", "_batches_that_stepped", "fault_tolerance.py start_step: the logging step is the committed step"),
+    ("epoch_loop", "_batches_that_stepped", "fault_tolerance/strategy.py start_step: the logging step is the committed step"),
 ]
 
 
@@ -68,7 +68,7 @@ def test_private_class_exists(owner: object, name: str, why: str) -> None:
 
 
 def test_torchfts_http_transport_still_reads_through_load_from_address() -> None:
-    """app/strategies/fault_tolerance.py replaces this reader (which unpickles anything) with a weights-only one."""
+    """app/strategies/fault_tolerance/strategy.py replaces this reader (which unpickles anything) with a weights-only one."""
     http_transport = pytest.importorskip("torchft.checkpointing.http_transport")
     reader = inspect.getattr_static(http_transport.HTTPTransport, "_load_from_address")
     assert isinstance(reader, classmethod)

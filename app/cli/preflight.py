@@ -23,7 +23,8 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from app.cli.launch import parent_start_time, torchrun_restart
 from app.safety.checkpoints import check_checkpoint, find_last_checkpoint
-from app.strategies.fault_tolerance import RUN_VERSION_ENV, FaultTolerantStrategy, replica_group
+from app.strategies.fault_tolerance.job import RUN_VERSION_ENV, replica_group
+from app.strategies.fault_tolerance.strategy import FaultTolerantStrategy
 from app.strategies.gradient_compression import COMPRESSIONS
 from app.strategies.local_updates import UPDATE_METHODS
 from app.strategies.parameter_server.strategy import check_asynchronous

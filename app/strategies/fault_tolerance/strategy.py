@@ -32,54 +32,37 @@ every group after a checkpoint; the bad-step guard and the monitor work per grou
 
 from __future__ import annotations
 
-import inspect
 import os
-import shutil
-import signal
 import socket
-import subprocess
-import sys
 import time
-import urllib.parse
 import urllib.request
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed import TCPStore
 from torch.distributed._serialization import _streaming_load
 
+from app.strategies.fault_tolerance.job import (
+    JOB_FINISHED,
+    ReplicaGroupsLauncher,
+    check_lighthouse_answers,
+    job_store,
+    replica_group,
+    restarted,
+    wait_for_every_group,
+)
 from core.errors import UserError
 from datamodules.base import ResumableDataLoader
 from datamodules.samplers import GlobalBatchSampler, StepMicroBatches
-
-REPLICA_GROUP_ENV = "COHORT_REPLICA_GROUP"  # set by the job for the processes of replica group G
-RUN_VERSION_ENV = "COHORT_RUN_VERSION"  # the job's lightning_logs/VERSION folder, where each group has its own
-JOB_STORE_ENV = "COHORT_JOB_STORE"  # host:port of the store where the job's groups count themselves in at the start
-JOB_FINISHED = "job_finished"  # the store's key once a group has trained to the end
-LIGHTHOUSE_START_SECONDS = 30.0
-
-
-def restarted() -> bool:
-    """Whether torchrun restarted this process after it died (its restart count; app/cli/launch.py reads the same)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-
-
-def replica_group() -> int | None:
-    """This process's replica group in a fault-tolerant job; None in the process that starts the job, or elsewhere."""
-    group = os.environ.get(REPLICA_GROUP_ENV)
-    return None if group is None else int(group)
 
 
 class FaultTolerantStrategy(SingleDeviceStrategy):
@@ -267,24 +250,6 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         super().teardown()
 
 
-def job_store(timeout: timedelta) -> TCPStore | None:
-    """The store of the job ``cohort fit`` started; None for groups started otherwise (the launch scripts)."""
-    address = os.environ.get(JOB_STORE_ENV)
-    if address is None:
-        return None
-    host, port = address.rsplit(":", 1)
-    return TCPStore(host, int(port), is_master=False, timeout=timeout)
-
-
-def wait_for_every_group(store: TCPStore, replica_groups: int, timeout: timedelta) -> None:
-    """At the job's start, wait until every group is up, so that the first steps are not taken by the groups that
-    happened to start first (a quorum counts only the groups already up)."""
-    store.add("replica_groups_up", 1)
-    deadline = time.monotonic() + timeout.total_seconds()
-    while store.add("replica_groups_up", 0) < replica_groups and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def follow_committed_steps(trainer: L.Trainer, step: int, accumulation: int) -> None:
     """Make Lightning's counts the committed steps: its step count (``global_step``: the schedule, checkpoints,
     max_steps, logging) and its count of training batches (when to validate): Lightning counts every optimizer step
@@ -357,170 +322,3 @@ def weights_only_http_transport(timeout: timedelta) -> Any:
                 return _streaming_load(response, weights_only=True)
 
     return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
-
-
-# ----- in the process that starts the job -----
-class ReplicaGroupsLauncher(_Launcher):
-    """``cohort fit`` under this strategy: start the lighthouse (unless given) and one torchrun per replica group,
-    forward SIGTERM and SIGUSR1 to them, and wait. Other commands (validate, test, predict) run here, on one
-    process."""
-
-    def __init__(self, strategy: FaultTolerantStrategy) -> None:
-        self.strategy = strategy
-
-    @property
-    def is_interactive_compatible(self) -> bool:
-        return False
-
-    def launch(self, function: Callable, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
-            return function(*args, **kwargs)
-        if self.strategy.lighthouse:
-            check_lighthouse_answers(self.strategy.lighthouse)
-        run_dir = run_folder(trainer)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        lighthouse = None if self.strategy.lighthouse else start_lighthouse(self.strategy, run_dir)
-        address = self.strategy.lighthouse or f"http://{socket.gethostname()}:{lighthouse[1]}"
-        store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)  # where the groups count themselves in
-        job = {"TORCHFT_LIGHTHOUSE": address, JOB_STORE_ENV: f"{socket.gethostname()}:{store.port}"}
-        # the checkpoint the job resumes (fit's ckpt_path), resolved once here: a restarted group takes a live group's
-        # state instead of reading it again
-        ckpt_path = inspect.signature(function).bind(*args, **kwargs).arguments.get("ckpt_path")
-        resume = [f"--ckpt_path={ckpt_path}"] if ckpt_path else []
-        groups = [self._start_group(group, job, resume, run_dir) for group in range(self.strategy.replica_groups)]
-        stop = forward_stop_signals(groups)
-        try:
-            codes = wait_for_groups(groups, lighthouse[0] if lighthouse else None, run_dir)
-        finally:
-            for process in groups:
-                if process.poll() is None:
-                    os.killpg(process.pid, signal.SIGKILL)
-            if lighthouse is not None:
-                lighthouse[0].terminate()
-                lighthouse[0].wait()
-        if stop.signal:
-            raise SystemExit(128 + stop.signal)
-        failed = {group: code for group, code in enumerate(codes) if code != 0}
-        if len(failed) == len(codes):
-            raise UserError(f"every replica group failed (exit codes {list(codes)}) after torchrun's "
-                            f"{self.strategy.max_restarts} restarts each: their output above says why")
-        for group, code in failed.items():
-            print(f"cohort: replica group {group} ended with exit code {code} after torchrun's restarts; the others "
-                  "trained to the end without it", file=sys.stderr)
-        return None
-
-    def _start_group(self, group: int, job: dict[str, str], resume: list[str], run_dir: Path) -> subprocess.Popen:
-        """One torchrun for replica group ``group``, in a session of its own (a signal reaches its processes)."""
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        env = {**os.environ, **job, REPLICA_GROUP_ENV: str(group), RUN_VERSION_ENV: run_dir.name,
-               # torchrun's agent would lend its rendezvous store to a restarted attempt (pytorch/pytorch#135712)
-               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-               # the groups share this machine's cores
-               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, cpus // self.strategy.replica_groups))),
-               "RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft's own log: a few lines per step otherwise
-        if torch.cuda.is_available():  # group G on GPU G; more groups than GPUs share them
-            env["CUDA_VISIBLE_DEVICES"] = str(group % torch.cuda.device_count())
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                   "--max-restarts", str(self.strategy.max_restarts), "-m", "app", *sys.argv[1:], *resume]
-        return subprocess.Popen(command, env=env, start_new_session=True)
-
-
-def run_folder(trainer: L.Trainer) -> Path:
-    """The job's lightning_logs/version_N, the same for every group (each writes into replica_group_G in it)."""
-    logger = trainer.logger
-    if isinstance(logger, TensorBoardLogger):
-        version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-        return Path(logger.root_dir) / version
-    return Path(trainer.default_root_dir) / "fault_tolerant_job"
-
-
-def start_lighthouse(strategy: FaultTolerantStrategy, run_dir: Path) -> tuple[subprocess.Popen, int]:
-    """torchft's lighthouse on a free port of this machine, its output in the run folder; a UserError if it does not
-    answer within LIGHTHOUSE_START_SECONDS."""
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        port = probe.getsockname()[1]
-    heartbeat_ms = int(strategy.heartbeat_timeout.total_seconds() * 1000)
-    with open(run_dir / "lighthouse.log", "ab") as log:  # the lighthouse writes to its own copy of the file
-        process = subprocess.Popen(
-            [lighthouse_program(), "--min_replicas", str(strategy.min_replicas),
-             "--bind", f"[::]:{port}", "--heartbeat_timeout_ms", str(heartbeat_ms),
-             # a quorum waits this long for a group that is alive but late before it starts without it
-             "--join_timeout_ms", str(heartbeat_ms)],
-            stdout=log, stderr=log, start_new_session=True)
-    deadline = time.monotonic() + LIGHTHOUSE_START_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise UserError(f"torchft's lighthouse exited with code {process.returncode} at start: "
-                            f"{run_dir / 'lighthouse.log'} says why")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return process, port
-        except OSError:
-            time.sleep(0.1)
-    process.kill()
-    raise UserError(f"torchft's lighthouse did not answer on port {port} within {LIGHTHOUSE_START_SECONDS:.0f} s: "
-                    f"{run_dir / 'lighthouse.log'} says why")
-
-
-def check_lighthouse_answers(address: str, wait: timedelta = timedelta(0)) -> None:
-    """A UserError unless something listens at the lighthouse's http://host:port within ``wait`` (a group started
-    by a launch script may come up before the line that starts the lighthouse)."""
-    parsed = urllib.parse.urlparse(address)
-    if parsed.hostname is None or parsed.port is None:
-        raise UserError(f"lighthouse {address!r} is not an address: give http://host:port of a running "
-                        "torchft_lighthouse, or null to start one with the job")
-    deadline = time.monotonic() + wait.total_seconds()
-    while True:
-        try:
-            socket.create_connection((parsed.hostname, parsed.port), timeout=5).close()
-            return
-        except OSError as error:
-            if time.monotonic() >= deadline:
-                raise UserError(f"the lighthouse at {address} does not answer ({error.strerror or error}): start it "
-                                "(torchft_lighthouse --min_replicas N --bind [::]:PORT) or give trainer.strategy."
-                                "init_args.lighthouse null to let cohort start one") from None
-            time.sleep(0.2)
-
-
-def lighthouse_program() -> str:
-    """torchft's lighthouse, installed with it beside this interpreter (a virtual environment's bin/), or on PATH."""
-    beside = Path(sys.executable).parent / "torchft_lighthouse"
-    found = str(beside) if beside.is_file() else shutil.which("torchft_lighthouse")
-    if found is None:
-        raise UserError("torchft_lighthouse, which comes with torchft, is neither beside this Python nor on PATH: "
-                        "pip install -e '.[ft]' in the environment that runs cohort")
-    return found
-
-
-class StopSignals:
-    """The stop signal the job received (0: none), forwarded to every group."""
-
-    def __init__(self, groups: list[subprocess.Popen]) -> None:
-        self.groups = groups
-        self.signal = 0
-
-    def forward(self, signum: int, frame: Any) -> None:
-        self.signal = signum
-        for process in self.groups:  # torchrun's agent stops its processes with SIGTERM: they checkpoint and stop
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-
-
-def forward_stop_signals(groups: list[subprocess.Popen]) -> StopSignals:
-    stop = StopSignals(groups)
-    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-        signal.signal(signum, stop.forward)
-    return stop
-
-
-def wait_for_groups(groups: list[subprocess.Popen], lighthouse: subprocess.Popen | None, run_dir: Path) -> list[int]:
-    """The groups' exit codes once all have ended; a UserError if the lighthouse this job started dies first."""
-    while any(process.poll() is None for process in groups):
-        if lighthouse is not None and lighthouse.poll() is not None:
-            raise UserError(f"torchft's lighthouse exited with code {lighthouse.returncode} while the groups trained, "
-                            f"so they could not agree on another step: {run_dir / 'lighthouse.log'} says why; resume "
-                            "with the same command and --ckpt_path last")
-        time.sleep(0.2)
-    return [process.returncode for process in groups]
-
