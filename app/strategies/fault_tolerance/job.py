@@ -85,6 +85,11 @@ class ReplicaGroupsLauncher(_Launcher):
             return function(*args, **kwargs)
         if self.strategy.lighthouse:
             check_lighthouse_answers(self.strategy.lighthouse)
+        fit_arguments = inspect.signature(function).bind(*args, **kwargs).arguments
+        # what Lightning does once per machine before training (build the embedded corpus), done here once for all
+        # groups: each group is a machine of its own to Lightning, and they would build it at the same time
+        if fit_arguments.get("datamodule") is not None:
+            fit_arguments["datamodule"].prepare_data()
         run_dir = run_folder(trainer)
         run_dir.mkdir(parents=True, exist_ok=True)
         lighthouse = None if self.strategy.lighthouse else start_lighthouse(self.strategy, run_dir)
@@ -93,7 +98,7 @@ class ReplicaGroupsLauncher(_Launcher):
         job = {"TORCHFT_LIGHTHOUSE": address, JOB_STORE_ENV: f"{socket.gethostname()}:{store.port}"}
         # the checkpoint the job resumes (fit's ckpt_path), resolved once here: a restarted group takes a live group's
         # state instead of reading it again
-        ckpt_path = inspect.signature(function).bind(*args, **kwargs).arguments.get("ckpt_path")
+        ckpt_path = fit_arguments.get("ckpt_path")
         resume = [f"--ckpt_path={ckpt_path}"] if ckpt_path else []
         groups = [self._start_group(group, job, resume, run_dir) for group in range(self.strategy.replica_groups)]
         stop = forward_stop_signals(groups)

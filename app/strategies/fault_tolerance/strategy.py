@@ -32,6 +32,7 @@ every group after a checkpoint; the bad-step guard and the monitor work per grou
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -128,6 +129,8 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
                             "scripts/torchrun.sh) or trainer.strategy.init_args.lighthouse to its http://host:port")
         check_lighthouse_answers(lighthouse, wait=self.timeout)
         os.environ["TORCHFT_LIGHTHOUSE"] = lighthouse  # where torchft's manager reads it
+        # torchft says at every new quorum that it cannot reset NCCL's flight recorder, also where there is no NCCL
+        logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
         # the fault-tolerance extra (pyproject.toml): imported where it is used
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
