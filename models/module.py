@@ -28,7 +28,6 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch.utils.flop_counter import FlopCounterMode
 from torchmetrics import MeanMetric
 
-from core.errors import UserError
 from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
@@ -143,11 +142,6 @@ class CohortModule(L.LightningModule):
         check_split(whole, split, paths)
         spans = rank_stages(len(paths), self.device_mesh, plan.pipeline_stage_ranks, plan.pipeline_layers)
         tied = sorted(tied_parts(whole, split).values())
-        if tied and plan.pipeline_ends_on_one_rank and plan.data_parallel_size > 1:
-            raise UserError(f"pipeline_schedule={plan.pipeline_schedule} runs the first and the last stage on one "
-                            f"rank, where {', '.join(tied)} (tied between them) must be one parameter, which FSDP2 "
-                            f"over data_parallel_size={plan.data_parallel_size} cannot share between two stages: use "
-                            "data_parallel_size 1, or InterleavedZeroBubble")
         stages = [self.build(keep_stage=partial(keep_stage, split=split, paths=paths, span=span)) for span in spans]
         pipeline = Pipeline(stages, spans, self.device_mesh, self.build_device(), plan.pipeline_schedule,
                             plan.pipeline_microbatches, split, tied, plan.pipeline_ends_on_one_rank)

@@ -74,7 +74,8 @@ def idle_shares(order: dict[int, list[_Action | None]], num_stages: int) -> list
         progressed = False
         for rank, actions in pending.items():
             while actions:
-                stage, kind, microbatch = actions[0].stage_index, actions[0].computation_type, actions[0].microbatch_index
+                action = actions[0]
+                stage, kind, microbatch = action.stage_index, action.computation_type, action.microbatch_index
                 if kind == _ComputationType.FORWARD:
                     needs = ("forward", stage - 1, microbatch) if stage > 0 else None
                 elif kind == _ComputationType.BACKWARD_WEIGHT:
