@@ -98,11 +98,6 @@ class RunPlan:
             raise UserError(f"{field}.pipeline_microbatches={self.pipeline_microbatches}: {self.pipeline_schedule} "
                             f"runs them in {rounds} rounds, which must divide them: use a multiple of "
                             f"pipeline_parallel_size={self.pipeline_parallel_size}")
-        if self.v_shaped_stages and self.data_parallel_size > 1:
-            raise UserError(f"{field}.pipeline_schedule={self.pipeline_schedule} with data_parallel_size="
-                            f"{self.data_parallel_size}: the V runs the first and the last stage on one rank, where a "
-                            "weight tied between them (an embedding and its head) must be one parameter, which FSDP2 "
-                            "cannot share between two stages: use data_parallel_size 1, or InterleavedZeroBubble")
         stages = self.pipeline_parallel_size * self.stages_per_rank
         if self.pipeline_schedule == "DualPipeV" and self.pipeline_microbatches < stages:
             raise UserError(f"{field}.pipeline_microbatches={self.pipeline_microbatches}: DualPipeV needs at least one "

@@ -229,7 +229,9 @@ def rank_stages(n_blocks: int, mesh: DeviceMesh, stage_ranks: list[int],
 def share_tied_weights(stages: list[nn.Module], spans: list[StageSpan], tied: list[str]) -> None:
     """Where this rank runs both the first and the last stage (a V's rank 0), each weight tied between them becomes
     one parameter: the last stage's copy is replaced, under every name it has there (the head's too), by the first
-    stage's, so that both stages' gradients accumulate into it and the optimizer steps it once."""
+    stage's, so that both stages' gradients accumulate into it and the optimizer steps it once. Before the first
+    forward: FSDP2 takes each module's parameter as it finds it then (its lazy initialisation), so both stages'
+    FSDP2 roots gather the one sharded parameter and add their reduced gradients into its gradient."""
     first = next((stage for stage, span in zip(stages, spans) if span.first), None)
     last = next((stage for stage, span in zip(stages, spans) if span.last), None)
     if first is None or last is None:
