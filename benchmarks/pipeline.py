@@ -1,6 +1,6 @@
 """Pipeline parallelism at pp=2 on CPU (gloo, 1 thread per process), side by side with one process:
 
-    python -m benchmarks.pipeline                 # all three; about 3 minutes on 2 idle cores
+    python -m benchmarks.pipeline                 # all three; about 6 minutes on 2 idle cores
     python -m benchmarks.pipeline --part memory   # or bubble, or speed
 
 - memory: the bytes of parameters + gradients + AdamW state each rank holds after one optimizer step, for the
@@ -8,8 +8,9 @@
   them (models/parallelize.py, models/pipeline.py). Goal (issue #10): the larger stage <= 0.55 x one process.
 - bubble: each rank's share of the pipeline's time in which it did not compute (1 - its forward and backward
   compute / the longest time a rank spent in the schedule, as the monitor logs it) for m = 2, 4, 8 pipeline
-  micro-batches under GPipe and 1F1B, against (p - 1) / (m + p - 1). Goal: within 0.05 once a pipeline
-  micro-batch computes for a few ms.
+  micro-batches under every schedule (the m it accepts), against its theory (models/pipeline.py
+  theoretical_bubble), side by side in one run. Goals: within 0.05 once a pipeline micro-batch computes for a few
+  ms; a zero-bubble schedule's below 1F1B's at the same m (issue #25).
 - speed: the time of one micro batch's forward and backward through the pipeline against the same on one
   process, and where the pipeline's time goes (compute and waiting per rank).
 
@@ -29,15 +30,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from core.errors import UserError
+from core.precision import PRECISIONS
+from core.run_plan import PIPELINE_SCHEDULES, RunPlan
 from models.gpt import GPTConfig, gpt_config
 from models.language_model import GPT_PIPELINE_SPLIT, build_gpt
 from models.optimizer import weight_decay_groups
 from models.pipeline import Pipeline, rank_stages, theoretical_bubble
 
 SEED = 1337
-# wide enough that one pipeline micro-batch (2 samples x 128 tokens through 2 blocks) computes for several ms
+# wide enough that one pipeline micro-batch (2 samples x 128 tokens through 2 blocks) computes for several ms; its 4
+# blocks make 2 stages of 2 (GPipe, 1F1B) or 4 of 1, two on each rank (the others)
 TIMING_CONFIG = GPTConfig(n_layer=4, n_head=8, n_embd=512, block_size=128, vocab_size=256)
 WARMUP_STEPS, TIMED_STEPS = 2, 6
 
@@ -55,14 +60,28 @@ def spawn(function: Callable, *args: object) -> dict:
     return dict(results)
 
 
-def pipeline_of(rank: int, port: int, config: GPTConfig, schedule: str, microbatches: int) -> Pipeline:
+def plan_of(schedule: str, microbatches: int, samples: int) -> RunPlan:
+    """The run plan of a micro batch of ``samples`` on 2 pipeline ranks: its checks, and the stages' placement."""
+    return RunPlan(devices_per_node=2, num_nodes=1, data_parallel_size=1, tensor_parallel_size=1,
+                   global_batch_size=samples, micro_batch_size=samples, sequence_length=TIMING_CONFIG.block_size,
+                   precision=PRECISIONS["32-true"], seed=SEED, pipeline_parallel_size=2, pipeline_schedule=schedule,
+                   pipeline_microbatches=microbatches)
+
+
+def join(rank: int, port: int) -> DeviceMesh:
+    """This process's place in the 2 gloo processes, as a (pipeline, data, tensor) mesh of (2, 1, 1)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("pipeline_parallel", "data_parallel", "tensor_parallel"))
-    spans = rank_stages(config.n_layer, mesh, 1)
+    return init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("pipeline_parallel", "data_parallel", "tensor_parallel"))
+
+
+def pipeline_of(mesh: DeviceMesh, config: GPTConfig, plan: RunPlan) -> Pipeline:
+    """This rank's stages of a GPT of ``config`` and the plan's schedule over them, as ``cohort fit`` builds them."""
+    spans = rank_stages(config.n_layer, mesh, plan.pipeline_stage_ranks)
     stages = [build_gpt(config, torch.device("cpu"), SEED, mesh, stage=span) for span in spans]
-    return Pipeline(stages, spans, mesh, torch.device("cpu"), schedule, microbatches, GPT_PIPELINE_SPLIT, ["wte.weight"])
+    return Pipeline(stages, spans, mesh, torch.device("cpu"), plan.pipeline_schedule, plan.pipeline_microbatches,
+                    GPT_PIPELINE_SPLIT, ["wte.weight"], plan.pipeline_ends_on_one_rank)
 
 
 def batch(config: GPTConfig, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +100,7 @@ def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
 
 
 def memory_on_rank(rank: int, port: int, config: GPTConfig, results: dict) -> None:
-    pipeline = pipeline_of(rank, port, config, "1F1B", 2)
+    pipeline = pipeline_of(join(rank, port), config, plan_of("1F1B", 2, 2))
     model = pipeline.stages[0].submod
     optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=1e-4)
     pipeline.train_step(*batch(config, 2), accumulation=1)
@@ -121,38 +140,54 @@ def timed_steps(step: Callable[[], None]) -> list[float]:
     return times
 
 
-def pipeline_timing_on_rank(rank: int, port: int, schedule: str, microbatches: int, samples: int, results: dict) -> None:
-    pipeline = pipeline_of(rank, port, TIMING_CONFIG, schedule, microbatches)
-    inputs, targets = batch(TIMING_CONFIG, samples)
-    bubbles, busy = [], []
-
-    def step() -> None:  # the monitor's measure (app/observability/monitor.py): 1 - compute / the longest schedule time
-        compute, scheduled = pipeline.compute_seconds, pipeline.schedule_seconds
-        pipeline.train_step(inputs, targets, accumulation=1)
-        times = torch.tensor([pipeline.compute_seconds - compute, pipeline.schedule_seconds - scheduled])
-        gathered = [torch.empty_like(times) for _ in range(2)]
-        dist.all_gather(gathered, times)
-        busy.append(times[0].item())
-        bubbles.append(1 - times[0].item() / max(rank_times[1].item() for rank_times in gathered))
-
-    times = timed_steps(step)
-    results[rank] = {"step": statistics.median(times), "bubble": statistics.median(bubbles[WARMUP_STEPS:]),
-                     "busy": statistics.median(busy[WARMUP_STEPS:])}
+def pipeline_timing_on_rank(rank: int, port: int, plans: list[RunPlan], results: dict) -> None:
+    """Each plan's pipeline, built side by side in these 2 processes and stepped in turn (one step of each, then the
+    next round), so that the load of the machine weighs on all alike; per schedule the medians of the timed rounds:
+    step time, compute, and the bubble as the monitor measures it (app/observability/monitor.py: 1 - this rank's
+    compute / the longest time a rank spent in the schedule)."""
+    mesh = join(rank, port)
+    pipelines = [pipeline_of(mesh, TIMING_CONFIG, plan) for plan in plans]
+    inputs, targets = batch(TIMING_CONFIG, plans[0].micro_batch_size)
+    measured: list[dict[str, list[float]]] = [{"step": [], "bubble": [], "busy": []} for _ in plans]
+    for round_ in range(WARMUP_STEPS + TIMED_STEPS):
+        for pipeline, series in zip(pipelines, measured):
+            compute, scheduled, start = pipeline.compute_seconds, pipeline.schedule_seconds, time.perf_counter()
+            pipeline.train_step(inputs, targets, accumulation=1)
+            step = time.perf_counter() - start
+            times = torch.tensor([pipeline.compute_seconds - compute, pipeline.schedule_seconds - scheduled])
+            gathered = [torch.empty_like(times) for _ in range(2)]
+            dist.all_gather(gathered, times)
+            if round_ >= WARMUP_STEPS:
+                series["step"].append(step)
+                series["busy"].append(times[0].item())
+                series["bubble"].append(1 - times[0].item() / max(rank_times[1].item() for rank_times in gathered))
+    results[rank] = {plan.pipeline_schedule: {name: statistics.median(values) for name, values in series.items()}
+                     for plan, series in zip(plans, measured)}
     dist.barrier()
     dist.destroy_process_group()
 
 
 def bubble() -> None:
     print(f"bubble at pp=2, 2 samples x {TIMING_CONFIG.block_size} tokens per pipeline micro-batch, "
-          f"width {TIMING_CONFIG.n_embd}, 2 blocks per stage (measured per rank vs theory)")
-    for schedule in ("GPipe", "1F1B"):
-        for microbatches in (2, 4, 8):
-            ranks = spawn(pipeline_timing_on_rank, schedule, microbatches, 2 * microbatches)
-            theory = theoretical_bubble(2, microbatches)
-            compute_ms = 1000 * ranks[0]["busy"] / microbatches
-            print(f"  {schedule:>5} m={microbatches}: theory {theory:.3f}; measured rank 0 {ranks[0]['bubble']:.3f} "
-                  f"({ranks[0]['bubble'] - theory:+.3f}), rank 1 {ranks[1]['bubble']:.3f} "
-                  f"({ranks[1]['bubble'] - theory:+.3f}); rank 0 computes {compute_ms:.1f} ms per pipeline micro-batch")
+          f"width {TIMING_CONFIG.n_embd}, 4 blocks (measured per rank vs theory; the schedules side by side)")
+    for microbatches in (2, 4, 8):
+        plans = []
+        for schedule in PIPELINE_SCHEDULES:
+            try:
+                plans.append(plan_of(schedule, microbatches, 2 * microbatches))
+            except UserError as error:  # DualPipeV needs m >= 4 here
+                print(f"  {schedule:>21} m={microbatches}: not run ({error})")
+        ranks = spawn(pipeline_timing_on_rank, plans)
+        one_f_one_b = {name: max(ranks[rank]["1F1B"][name] for rank in (0, 1)) for name in ("bubble", "step")}
+        for plan in plans:
+            schedule, theory = plan.pipeline_schedule, theoretical_bubble(plan)
+            first, second = ranks[0][schedule], ranks[1][schedule]
+            larger, step = max(first["bubble"], second["bubble"]), max(first["step"], second["step"])
+            print(f"  {schedule:>21} m={microbatches}: theory {theory:.3f}; measured rank 0 {first['bubble']:.3f} "
+                  f"({first['bubble'] - theory:+.3f}), rank 1 {second['bubble']:.3f} "
+                  f"({second['bubble'] - theory:+.3f}); larger / 1F1B's {larger / one_f_one_b['bubble']:.2f}; step "
+                  f"{1000 * step:.0f} ms ({step / one_f_one_b['step']:.2f}x 1F1B's); rank 0 computes "
+                  f"{1000 * first['busy'] / microbatches:.1f} ms per pipeline micro-batch")
 
 
 def speed() -> None:
@@ -165,11 +200,13 @@ def speed() -> None:
         F.cross_entropy(whole(inputs).flatten(0, 1), targets.flatten()).backward()
 
     one = statistics.median(timed_steps(one_process_step))
-    ranks = spawn(pipeline_timing_on_rank, "1F1B", microbatches, samples)
+    ranks = {rank: schedules["1F1B"] for rank, schedules in
+             spawn(pipeline_timing_on_rank, [plan_of("1F1B", microbatches, samples)]).items()}
     pipelined = max(rank["step"] for rank in ranks.values())
     print(f"speed: micro batch of {samples} x {TIMING_CONFIG.block_size} tokens, forward + backward, 1 thread per process")
     print(f"  1 process {one * 1000:.0f} ms; pp=2 1F1B m={microbatches} {pipelined * 1000:.0f} ms: ratio "
-          f"{pipelined / one:.3f} (ideal with this bubble {0.5 / (1 - theoretical_bubble(2, microbatches)):.3f})")
+          f"{pipelined / one:.3f} (ideal with this bubble "
+          f"{0.5 / (1 - theoretical_bubble(plan_of('1F1B', microbatches, samples))):.3f})")
     for rank, timing in sorted(ranks.items()):
         print(f"  rank {rank}: computes {timing['busy'] * 1000:.0f} ms, idle {(pipelined - timing['busy']) * 1000:.0f} ms "
               f"of the pipeline's {pipelined * 1000:.0f} ms")

@@ -20,7 +20,10 @@ from dataclasses import dataclass, replace
 from core.errors import UserError, check_ranges
 from core.precision import Precision
 
-PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # models/pipeline.py's SCHEDULES
+# models/pipeline.py's SCHEDULES; the zero-bubble ones split each backward into input and weight gradients
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+V_SHAPED_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # torch places their stages as a V (RunPlan.pipeline_stage_ranks)
 
 
 @dataclass(frozen=True)
@@ -90,15 +93,19 @@ class RunPlan:
                             f"{self.pipeline_parallel_size} pipeline stages, so some stages would always wait: use at "
                             f"least {self.pipeline_parallel_size} (more shrink the bubble)")
         rounds = self.pipeline_microbatches // self.pipeline_parallel_size
-        if self.stages_per_rank > 1 and self.pipeline_microbatches % rounds != 0:
-            raise UserError(f"{field}.pipeline_microbatches={self.pipeline_microbatches}: the interleaved schedule "
+        looped = self.stages_per_rank > 1 and not self.v_shaped_stages
+        if looped and self.pipeline_microbatches % rounds != 0:
+            raise UserError(f"{field}.pipeline_microbatches={self.pipeline_microbatches}: {self.pipeline_schedule} "
                             f"runs them in {rounds} rounds, which must divide them: use a multiple of "
                             f"pipeline_parallel_size={self.pipeline_parallel_size}")
+        stages = self.pipeline_parallel_size * self.stages_per_rank
+        if self.pipeline_schedule == "DualPipeV" and self.pipeline_microbatches < stages:
+            raise UserError(f"{field}.pipeline_microbatches={self.pipeline_microbatches}: DualPipeV needs at least one "
+                            f"per stage, {stages} (2 x pipeline_parallel_size): use at least {stages}")
         if self.micro_batch_size % self.pipeline_microbatches != 0:
             raise UserError(f"{field}.pipeline_microbatches={self.pipeline_microbatches} does not divide "
                             f"data.micro_batch_size={self.micro_batch_size}: each micro batch is cut into that many "
                             "equal pipeline micro-batches; choose a divisor, or another micro batch")
-        stages = self.pipeline_parallel_size * self.stages_per_rank
         if self.pipeline_layers is not None and (len(self.pipeline_layers) != stages or min(self.pipeline_layers) < 1):
             raise UserError(f"{field}.pipeline_layers={list(self.pipeline_layers)} must give each of the {stages} stages "
                             "at least one block, in stage order (or be null to balance them by count)")
@@ -117,8 +124,29 @@ class RunPlan:
 
     @property
     def stages_per_rank(self) -> int:
-        """Pipeline stages each pipeline rank runs: two under the interleaved schedule, else one."""
-        return 2 if self.pipeline_schedule == "Interleaved1F1B" else 1
+        """Pipeline stages each pipeline rank runs: one under GPipe and 1F1B, else two."""
+        return 1 if self.pipeline_schedule in ("GPipe", "1F1B") else 2
+
+    @property
+    def v_shaped_stages(self) -> bool:
+        """Whether pipeline rank r of p runs stages r and 2p - 1 - r (a V: rank 0 runs the first and the last stage,
+        rank p - 1 the middle two), as ZBVZeroBubble and DualPipeV need, rather than r, r + p, ... (a loop)."""
+        return self.pipeline_schedule in V_SHAPED_SCHEDULES
+
+    @property
+    def pipeline_stage_ranks(self) -> list[int]:
+        """The pipeline rank of each stage, in stage order."""
+        ranks, stages = self.pipeline_parallel_size, self.pipeline_parallel_size * self.stages_per_rank
+        if self.v_shaped_stages:
+            return [stage if stage < ranks else stages - 1 - stage for stage in range(stages)]
+        return [stage % ranks for stage in range(stages)]
+
+    @property
+    def pipeline_ends_on_one_rank(self) -> bool:
+        """Whether one pipeline rank runs both the first and the last stage (a V's rank 0): a weight tied between
+        them is then one parameter there, not two copies on two ranks whose gradients are summed."""
+        stage_ranks = self.pipeline_stage_ranks
+        return stage_ranks[0] == stage_ranks[-1]
 
     @property
     def accumulation(self) -> int:

@@ -132,19 +132,20 @@ class CohortModule(L.LightningModule):
             self.model = self.build()
 
     def build_pipeline(self, plan: RunPlan) -> tuple[nn.Module, Pipeline]:
-        """This rank's stages (two under the interleaved schedule), each built as ``build`` builds the whole network
-        but keeping its own blocks and ends, held together by one module under the unsplit network's names, and the
-        Pipeline that runs them."""
+        """This rank's stages (two under all schedules but GPipe and 1F1B), each built as ``build`` builds the whole
+        network but keeping its own blocks and ends, held together by one module under the unsplit network's names,
+        and the Pipeline that runs them."""
         split = self.pipeline_split()
         with torch.device("meta"):
             whole = self.plain_network()
         paths = block_paths(whole, self.blocks(whole))
         check_split(whole, split, paths)
-        spans = rank_stages(len(paths), self.device_mesh, plan.stages_per_rank, plan.pipeline_layers)
+        spans = rank_stages(len(paths), self.device_mesh, plan.pipeline_stage_ranks, plan.pipeline_layers)
+        tied = sorted(tied_parts(whole, split).values())
         stages = [self.build(keep_stage=partial(keep_stage, split=split, paths=paths, span=span)) for span in spans]
-        model = stages[0] if len(stages) == 1 else merge_stages(self.plain_network, split, paths, stages, spans)
         pipeline = Pipeline(stages, spans, self.device_mesh, self.build_device(), plan.pipeline_schedule,
-                            plan.pipeline_microbatches, split, sorted(tied_parts(whole, split).values()))
+                            plan.pipeline_microbatches, split, tied, plan.pipeline_ends_on_one_rank)
+        model = stages[0] if len(stages) == 1 else merge_stages(self.plain_network, split, paths, stages, spans)
         return model, pipeline
 
     def build(self, keep_stage: Callable[[nn.Module], None] | None = None) -> nn.Module:

@@ -1,9 +1,9 @@
 """Pipeline parallelism for any network whose forward is a sequence of parts (its inputs turned into hidden
 states, its repeated blocks, its head), with ``torch.distributed.pipelining``: this rank's stages (one, or two under
-the interleaved schedule), the schedule that runs every pipeline micro-batch's forward and backward through them,
-and the two things a pipeline adds to a training step, both over the pipeline ranks: the gradient of a weight tied
-between the first and the last stage (GPT's and BERT's embedding and output head) summed, and the gradient norm
-summed over all stages before clipping.
+the interleaved, zero-bubble and V-shaped schedules), the schedule that runs every pipeline micro-batch's forward and
+backward through them, and the two things a pipeline adds to a training step, both over the pipeline ranks: the
+gradient of a weight tied between the first and the last stage (GPT's and BERT's embedding and output head) summed,
+and the gradient norm summed over all stages before clipping.
 
 A stage is the family's network with the other stages' parts removed (``keep_stage``), so parameter names,
 checkpoints and optimizer states are the unsplit network's; the family says where the parts are and how its two
@@ -26,14 +26,24 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 from torch.distributed.tensor import DTensor
 
 from core.errors import UserError
 from core.run_plan import RunPlan
 from core.tokens import IGNORE_INDEX
 
-SCHEDULES: dict[str, type] = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
+SCHEDULES: dict[str, type] = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
+                              "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+                              "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}
 
 
 def cross_entropy_sum(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -203,30 +213,70 @@ def check_stages_have_blocks(plan: RunPlan, n_blocks: int, name: str) -> None:
                         f"{stages} stages, more than {name} has blocks ({n_blocks}): use fewer stages")
 
 
-def rank_stages(n_blocks: int, mesh: DeviceMesh, stages_per_rank: int,
+def rank_stages(n_blocks: int, mesh: DeviceMesh, stage_ranks: list[int],
                 layers: tuple[int, ...] | None = None) -> list[StageSpan]:
-    """This rank's stages (``layers`` blocks each, if given), in the "loop" order of the interleaved schedules:
-    pipeline rank r of p runs stages r, r + p, r + 2p, ... (one stage per rank without interleaving)."""
-    pipeline_mesh = mesh["pipeline_parallel"]
-    ranks, rank = pipeline_mesh.size(), pipeline_mesh.get_local_rank()
+    """This rank's stages (``layers`` blocks each, if given), in stage order: those that ``stage_ranks``
+    (RunPlan.pipeline_stage_ranks: a loop, or a V) gives this pipeline rank."""
+    rank = mesh["pipeline_parallel"].get_local_rank()
     try:
-        stages = split_layers(n_blocks, ranks * stages_per_rank, layers)
+        stages = split_layers(n_blocks, len(stage_ranks), layers)
     except ValueError as error:
         raise UserError(f"{error}: use fewer pipeline stages, or give trainer.strategy.init_args.pipeline_layers "
                         "that add up to the blocks") from None
-    return [stages[rank + round_ * ranks] for round_ in range(stages_per_rank)]
+    return [stage for stage, owner in zip(stages, stage_ranks) if owner == rank]
 
 
-def theoretical_bubble(ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> float:
-    """The idle share of a step: (p - 1) / (m + p - 1) for GPipe and 1F1B over p ranks and m micro-batches; an
-    interleaved schedule with v stages per rank fills and drains v times faster, (p - 1) / (v m + p - 1)."""
-    return (ranks - 1) / (stages_per_rank * n_microbatches + ranks - 1)
+def share_tied_weights(stages: list[nn.Module], spans: list[StageSpan], tied: list[str]) -> None:
+    """Where this rank runs both the first and the last stage (a V's rank 0), each weight tied between them becomes
+    one parameter: the last stage's copy is replaced, under every name it has there (the head's too), by the first
+    stage's, so that both stages' gradients accumulate into it and the optimizer steps it once. Before the first
+    forward: FSDP2 takes each module's parameter as it finds it then (its lazy initialisation), so both stages'
+    FSDP2 roots gather the one sharded parameter and add their reduced gradients into its gradient."""
+    first = next((stage for stage, span in zip(stages, spans) if span.first), None)
+    last = next((stage for stage, span in zip(stages, spans) if span.last), None)
+    if first is None or last is None:
+        return
+    for name in tied:
+        shared, copy = first.get_parameter(name), last.get_parameter(name)
+        for module in last.modules():
+            for key, param in list(module.named_parameters(recurse=False)):
+                if param is copy:
+                    setattr(module, key, shared)
+
+
+# A step's idle time on each rank, in units of one stage's forward of one pipeline micro-batch, when a backward takes
+# two, one for the input's gradient and one for the weights' (the zero-bubble paper's T_F = T_B = T_W: Qi et al. 2023,
+# "Zero Bubble Pipeline Parallelism", arXiv:2401.10241), for p ranks and m pipeline micro-batches. GPipe and 1F1B
+# (Narayanan et al. 2021) and Interleaved1F1B fill and drain in p - 1 forwards and backwards, 3 units each; the
+# zero-bubble schedules run the weights' gradients in those slots, leaving 1 of the 3: InterleavedZeroBubble (the
+# paper's ZB-H1, interleaved), ZBVZeroBubble (its ZB-V, section 6) and DualPipeV (DeepSeek-V3's DualPipe folded into
+# a V, arXiv:2412.19437 and github.com/deepseek-ai/DualPipe). ZB-V fills the V only from m = 2p - 1 on: below, torch
+# leaves each missing micro-batch's slots empty (2 units per micro-batch). tests/test_pipeline_schedules.py checks
+# each against torch's own order of the actions.
+IDLE_UNITS: dict[str, Callable[[int, int], int]] = {
+    "GPipe": lambda p, m: 3 * (p - 1),
+    "1F1B": lambda p, m: 3 * (p - 1),
+    "Interleaved1F1B": lambda p, m: 3 * (p - 1),
+    "InterleavedZeroBubble": lambda p, m: p - 1,
+    "ZBVZeroBubble": lambda p, m: max(p - 1, 2 * (2 * p - 1 - m)),
+    "DualPipeV": lambda p, m: p - 1,
+}
+
+
+def theoretical_bubble(plan: RunPlan) -> float:
+    """The idle share of a training step on each pipeline rank under the plan's schedule (IDLE_UNITS): a rank
+    computes 3 units per pipeline micro-batch for each stage it runs, and idles IDLE_UNITS, so that 1F1B's bubble is
+    (p - 1) / (m + p - 1), Interleaved1F1B's (p - 1) / (v m + p - 1) and InterleavedZeroBubble's
+    (p - 1) / (3 v m + p - 1) with v stages per rank."""
+    idle = IDLE_UNITS[plan.pipeline_schedule](plan.pipeline_parallel_size, plan.pipeline_microbatches)
+    return idle / (3 * plan.stages_per_rank * plan.pipeline_microbatches + idle)
 
 
 class TimedStage(PipelineStage):
-    """A PipelineStage that adds up the time it computes (forward and backward of its chunks), so that the time it
-    waits on its neighbours is the rest of the schedule's: the measured pipeline bubble (app/observability/monitor.py).
-    On GPUs the chunks are timed with CUDA events, read when ``busy_seconds`` is, so timing never stalls the stream."""
+    """A PipelineStage that adds up the time it computes (forward and backward of its chunks, the zero-bubble
+    schedules' weight-gradient half of a backward too), so that the time it waits on its neighbours is the rest of
+    the schedule's: the measured pipeline bubble (app/observability/monitor.py). On GPUs the chunks are timed with
+    CUDA events, read when ``busy_seconds`` is, so timing never stalls the stream."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -265,19 +315,35 @@ class TimedStage(PipelineStage):
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(lambda: super(TimedStage, self).backward_one_chunk(*args, **kwargs))
 
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(lambda: super(TimedStage, self).backward_weight_one_chunk(*args, **kwargs))
+
+    # A V's middle rank runs two adjacent stages (p - 1 and p), and torch's schedule hands the gradient from one to
+    # the other in memory, also under eval(), where there is none and the stage would raise: nothing to hand then.
+    def get_local_bwd_output(self, mb_index: int) -> Any:
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: tuple[torch.Tensor | None, ...], mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
 
 class Pipeline:
     """This rank's stages (networks already cut by ``keep_stage``, described by ``spans``) and the schedule over the
-    mesh's "pipeline_parallel" dimension. ``tied`` names the parameters the first and the last stage both hold."""
+    mesh's "pipeline_parallel" dimension. ``tied`` names the parameters the first and the last stage both hold: on
+    two ranks each holds a copy, and their gradients are summed; where ``ends_on_one_rank`` (a V), that rank makes
+    them one parameter (``share_tied_weights``)."""
 
     def __init__(self, stages: list[nn.Module], spans: list[StageSpan], mesh: DeviceMesh, device: torch.device,
-                 schedule: str, n_microbatches: int, split: PipelineSplit, tied: list[str]) -> None:
+                 schedule: str, n_microbatches: int, split: PipelineSplit, tied: list[str],
+                 ends_on_one_rank: bool = False) -> None:
         self.device = device
         self.split = split
         self.has_first = any(span.first for span in spans)
         self.has_last = any(span.last for span in spans)
         self.group = mesh["pipeline_parallel"].get_group()
-        self.tied_group = tied_weights_group(mesh) if tied else None
+        share_tied_weights(stages, spans, tied)
+        self.tied_group = tied_weights_group(mesh) if tied and not ends_on_one_rank else None
         self.stages = [TimedStage(stage, span.index, span.num_stages, device, group=self.group)
                        for stage, span in zip(stages, spans)]
         # this rank's copies of the tied weights: the first stage's, or else the last stage's

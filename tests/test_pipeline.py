@@ -1,10 +1,13 @@
-"""``cohort fit`` with PipelineParallelStrategy on CPU processes (gloo): GPipe, 1F1B, interleaved 1F1B, and 1F1B
-x FSDP2 and x tensor parallel train as one process does on the same global batch, with clipping that bites; a
-pipelined run resumes exactly after SIGKILL; its checkpoint validates alike on one process and resumes under
-FSDP2; the monitor measures the bubble; pipeline mistakes get one line."""
+"""``cohort fit`` with PipelineParallelStrategy on CPU processes (gloo): GPipe, 1F1B, interleaved 1F1B, the
+zero-bubble schedules (InterleavedZeroBubble, and ZBVZeroBubble and DualPipeV on V-placed stages), 1F1B and
+ZBVZeroBubble x FSDP2, and 1F1B x tensor parallel train as one process does on the same global batch, with clipping
+that bites; a pipelined run resumes exactly after SIGKILL, also on a V; its checkpoint validates alike on one
+process and resumes under FSDP2, a V's under 1F1B; the monitor measures the bubble beside each schedule's theory;
+pipeline mistakes get one line."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,9 +30,12 @@ from tests.helpers import (
 pytestmark = pytest.mark.slow
 
 
-def schedule(name: str, microbatches: int) -> list[str]:
-    return [*PIPELINE, "--trainer.strategy.init_args.pipeline_schedule", name,
-            "--trainer.strategy.init_args.pipeline_microbatches", str(microbatches)]
+def microbatches(count: int) -> list[str]:
+    return ["--trainer.strategy.init_args.pipeline_microbatches", str(count)]
+
+
+def schedule(name: str, count: int) -> list[str]:
+    return [*PIPELINE, "--trainer.strategy.init_args.pipeline_schedule", name, *microbatches(count)]
 
 
 PIPELINE_X_FSDP2 = ["--trainer.devices", "4", "--trainer.strategy.init_args.data_parallel_size", "2"]
@@ -94,11 +100,73 @@ def test_the_monitor_measures_each_ranks_bubble_beside_the_theory(pipelined_runs
                                                                 r"monitor/pipeline_bubble_theory$"]
 
 
-def test_interleaved_pipeline_trains_as_one_process_does(tmp_path: Path, comparable_run_args: list[str]) -> None:
+@pytest.fixture(scope="module")
+def one_process_small_run(tmp_path_factory: pytest.TempPathFactory, comparable_run_args: list[str]) -> Path:
+    return fit_in_process(tmp_path_factory.mktemp("one_process_small"), comparable_run_args, *SMALL)
+
+
+def test_interleaved_pipeline_trains_as_one_process_does(tmp_path: Path, comparable_run_args: list[str],
+                                                         one_process_small_run: Path) -> None:
     """Interleaved 1F1B: the small model's 4 blocks as 4 stages, 2 on each rank (0 and 2, 1 and 3)."""
-    one_process = fit_in_process(tmp_path / "one_process", comparable_run_args, *SMALL)
     interleaved = fit(tmp_path / "interleaved", comparable_run_args, *SMALL, *schedule("Interleaved1F1B", 2))
-    assert_trains_as_one_process_does(one_process, interleaved)
+    assert_trains_as_one_process_does(one_process_small_run, interleaved)
+
+
+@dataclass(frozen=True)
+class ZeroBubbleRun:
+    """The small model's 4 blocks as 4 stages on 2 pipeline ranks, its micro batch of 4 cut into ``microbatches``;
+    ``theory`` is the schedule's bubble there (models/pipeline.py IDLE_UNITS: idle / (3 units x 2 stages x m +
+    idle))."""
+
+    schedule: str
+    microbatches: int
+    theory: float
+    layout: tuple[str, ...] = ()
+
+
+# InterleavedZeroBubble places the stages in a loop (0 and 2, 1 and 3), the others in a V (0 and 3, 1 and 2);
+# ZBVZeroBubble at m = 2 < 2p - 1 runs torch's V with a micro-batch left out; under FSDP2 each stage is sharded
+# over 2 data-parallel ranks, the V's rank 0 holding the tied embedding and head as one sharded parameter
+ZERO_BUBBLE = {
+    "InterleavedZeroBubble": ZeroBubbleRun("InterleavedZeroBubble", 2, theory=1 / 13),
+    "ZBVZeroBubble": ZeroBubbleRun("ZBVZeroBubble", 2, theory=2 / 14),
+    "DualPipeV": ZeroBubbleRun("DualPipeV", 4, theory=1 / 25),
+    "ZBVZeroBubble x FSDP2": ZeroBubbleRun("ZBVZeroBubble", 2, theory=2 / 14, layout=tuple(PIPELINE_X_FSDP2)),
+}
+
+
+@pytest.fixture(scope="module")
+def zero_bubble_runs(tmp_path_factory: pytest.TempPathFactory, comparable_run_args: list[str]) -> dict[str, Path]:
+    return {name: fit(tmp_path_factory.mktemp(name.replace(" ", "_")), comparable_run_args, *SMALL,
+                      *schedule(run.schedule, run.microbatches), *run.layout)
+            for name, run in ZERO_BUBBLE.items()}
+
+
+@pytest.mark.parametrize("name", list(ZERO_BUBBLE))
+def test_zero_bubble_pipeline_trains_as_one_process_does(one_process_small_run: Path,
+                                                         zero_bubble_runs: dict[str, Path], name: str) -> None:
+    """Every step's losses and gradient norm, and the final weights (consolidated from the stages' shards under the
+    unsplit network's names, so a V's checkpoint is laid out as any other's), as one process's. Each rank's bubble
+    is measured, its compute counting the weight-gradient halves, and logged beside the schedule's theory."""
+    run = zero_bubble_runs[name]
+    assert_trains_as_one_process_does(one_process_small_run, run, data_parallel=bool(ZERO_BUBBLE[name].layout))
+    assert scalars(run, "monitor/pipeline_bubble_theory") == pytest.approx([ZERO_BUBBLE[name].theory] * 4)
+    for rank in (0, 1):
+        assert all(compute > 0 for compute in scalars(run, f"monitor/pipeline_compute_s/rank{rank}"))
+        assert all(0 <= bubble < 1 for bubble in scalars(run, f"monitor/pipeline_bubble/rank{rank}"))
+
+
+def test_a_v_shaped_checkpoint_resumes_under_1f1b(tmp_path: Path, comparable_run_args: list[str],
+                                                  one_process_small_run: Path,
+                                                  zero_bubble_runs: dict[str, Path]) -> None:
+    """ZBVZeroBubble's checkpoint of step 4 (rank 0 wrote stages 0 and 3, rank 1 stages 1 and 2) read by 1F1B's
+    stages (blocks 0-1 and 2-3): the next two steps match one process resumed from its own checkpoint of step 4."""
+    six_steps = [*comparable_run_args, *SMALL, "--trainer.max_steps", "6"]
+    one_process = fit_in_process(tmp_path / "one_process", six_steps, "--ckpt_path",
+                                 str(last_checkpoint(one_process_small_run)))
+    loop = fit(tmp_path / "1F1B", six_steps, *schedule("1F1B", 2), "--ckpt_path",
+               str(last_checkpoint(zero_bubble_runs["ZBVZeroBubble"])))
+    assert_weights_agree(one_process, loop)
 
 
 def test_pipelined_checkpoint_resumes_under_fsdp2(tmp_path: Path, comparable_run_args: list[str],
@@ -128,10 +196,13 @@ def test_pipelined_checkpoint_validates_alike_in_one_process(pipelined_runs: dic
                                                                                          rel=SAME_VALIDATION_LOSS)
 
 
-def test_pipelined_resume_after_sigkill_is_bitwise_exact(tmp_path: Path, comparable_run_args: list[str]) -> None:
+@pytest.mark.parametrize("layout", ["1F1B", "ZBVZeroBubble"])
+def test_pipelined_resume_after_sigkill_is_bitwise_exact(tmp_path: Path, comparable_run_args: list[str],
+                                                         layout: str) -> None:
+    """1F1B on the debug model's 2 blocks, and a V on the small model's 4."""
     run = [*comparable_run_args, *PIPELINE, "--trainer.max_steps", "6", "--checkpoint.every_n_train_steps", "3",
            "--model.dropout", "0.1", "--data.micro_batch_size", "2",  # 2 micro-batches per step
-           "--trainer.strategy.init_args.pipeline_microbatches", "2"]
+           *schedule(layout, 2), *(SMALL if layout == "ZBVZeroBubble" else [])]
     assert_sharded_resume_after_sigkill_is_bitwise_exact(tmp_path, run)
 
 
@@ -151,7 +222,13 @@ def test_pipeline_mistakes_get_one_line(tmp_path: Path, comparable_run_args: lis
         (["--trainer.strategy.init_args.pipeline_microbatches", "3"],
          "pipeline_microbatches=3 does not divide data.micro_batch_size=4"),
         (["--trainer.strategy.init_args.pipeline_schedule", "ZeroBubble"],
-         "pipeline_schedule='ZeroBubble' is not a schedule: use one of GPipe, 1F1B, Interleaved1F1B"),
+         ("pipeline_schedule='ZeroBubble' is not a schedule: use one of GPipe, 1F1B, Interleaved1F1B, "
+          "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV")),
+        (["--trainer.strategy.init_args.pipeline_schedule", "DualPipeV", *microbatches(2)],
+         "pipeline_microbatches=2: DualPipeV needs at least one per stage, 4"),
+        (["--trainer.strategy.init_args.pipeline_schedule", "InterleavedZeroBubble", *SMALL, "--model.compile", "true"],
+         ("model.compile=true with pipeline_schedule=InterleavedZeroBubble: a zero-bubble schedule runs each backward "
+          "in two halves")),
         (["--trainer.strategy.init_args.save_distributed_checkpoint", "false"],
          "save_distributed_checkpoint=false would gather one stage's weights only"),
         (["--trainer.strategy.init_args.pipeline_layers", "[2]"],

@@ -31,7 +31,7 @@ from app.strategies.parameter_server.strategy import check_asynchronous
 from app.strategies.pipeline import PipelineParallelStrategy
 from core.errors import UserError, check_ranges, check_writable_folder
 from core.precision import precision_named
-from core.run_plan import RunPlan
+from core.run_plan import ZERO_BUBBLE_SCHEDULES, RunPlan
 from datamodules.prepare import DEFAULT_CORPUS_DIR
 from models.module import CohortModule
 
@@ -181,6 +181,11 @@ def check_config(config: Namespace) -> RunPlan:
     family = model_class(config)
     check_family_honours_strategy(family, plan, trainer.strategy)
     family.check_config(config.model.init_args, data, plan)
+    if (plan.pipeline_parallel_size > 1 and plan.pipeline_schedule in ZERO_BUBBLE_SCHEDULES
+            and getattr(config.model.init_args, "compile", False)):
+        raise UserError(f"model.compile=true with pipeline_schedule={plan.pipeline_schedule}: a zero-bubble "
+                        "schedule runs each backward in two halves (the inputs' gradients, later the weights'), which "
+                        "a compiled block cannot; set model.compile false, or use 1F1B or Interleaved1F1B")
     if is_fsdp(trainer.strategy) and getattr(config.model.init_args, "activation_checkpointing", False):
         raise UserError("model.activation_checkpointing is for DDP and model_parallel; under fsdp set "
                         "trainer.strategy.init_args.activation_checkpointing_policy (see configs/trainer/fsdp_gpu_bf16.yaml)")

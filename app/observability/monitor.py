@@ -14,7 +14,8 @@ What the monitor concludes from each window (stragglers, a departing loss, slow 
 
 Under a pipeline each rank also reports its stages' compute inside the schedule and the time it waited there on
 the other stages; that wait is idle, not compute. The share of the pipeline's time in which a rank did not compute
-is its measured bubble, logged per rank beside the schedule's theoretical (p - 1) / (m + p - 1).
+is its measured bubble, logged per rank beside the schedule's theoretical one (models/pipeline.py theoretical_bubble:
+(p - 1) / (m + p - 1) for 1F1B, less for the interleaved and zero-bubble schedules).
 """
 
 from __future__ import annotations
@@ -306,11 +307,9 @@ class RankMonitor(Callback):
         the rank did not compute."""
         span = max(compute + wait for compute, wait in zip(window["pipeline_compute_s"], window["pipeline_wait_s"]))
         bubbles = [1 - compute / span if span > 0 else 0.0 for compute in window["pipeline_compute_s"]]
-        plan = self._plan
         metrics = {f"monitor/pipeline_bubble/rank{rank}": bubble for rank, bubble in enumerate(bubbles)}
         metrics["monitor/pipeline_bubble/median"] = statistics.median(bubbles)
-        metrics["monitor/pipeline_bubble_theory"] = theoretical_bubble(
-            plan.pipeline_parallel_size, plan.pipeline_microbatches, plan.stages_per_rank)
+        metrics["monitor/pipeline_bubble_theory"] = theoretical_bubble(self._plan)
         return metrics
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -47,8 +47,10 @@ class PipelineParallelStrategy(ModelParallelStrategy):
             pipeline_parallel_size: pipeline stages, each on its own group of ranks.
             data_parallel_size: ranks that shard each stage's parameters (FSDP2) and split the batch.
             tensor_parallel_size: ranks that split each layer of a stage.
-            pipeline_schedule: "1F1B" (one forward, one backward: fewer activations held) or "GPipe" (all
-                forwards, then all backwards).
+            pipeline_schedule: "1F1B" (one forward, one backward: fewer activations held), "GPipe" (all
+                forwards, then all backwards), "Interleaved1F1B", or a zero-bubble schedule that splits each
+                backward into the inputs' and the weights' gradients: "InterleavedZeroBubble", "ZBVZeroBubble",
+                "DualPipeV" (the last two on stages placed as a V); core/run_plan.py says where each stage runs.
             pipeline_microbatches: pipeline micro-batches per micro batch; null means one per stage.
             pipeline_layers: blocks of each stage, in stage order (e.g. [5, 7]: fewer where the embeddings or a
                 large head already weigh); null balances them by count, counting the embeddings and the head
