@@ -12,12 +12,14 @@ import torch
 from lightning.fabric.utilities import load
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 # (owner, attribute, who uses it and why)
 PRIVATE_METHODS = [
     (ModelCheckpoint, "_save_checkpoint", "app/safety/checkpoints.py RunCheckpoint: write NAME.partial, rename"),
-    (ModelCheckpoint, "_link_checkpoint", "RunCheckpoint: replace last.ckpt's link atomically"),
+    (ModelCheckpoint, "_link_checkpoint", "RunCheckpoint: replace last.ckpt's link atomically, after an async write"),
+    (ModelCheckpoint, "_remove_checkpoint", "RunCheckpoint: remove the oldest only once an async write is in place"),
     (ModelCheckpoint, "_save_topk_checkpoint", "RunCheckpoint.on_train_end: keep the final step in the history"),
     (ModelCheckpoint, "_save_last_checkpoint", "RunCheckpoint.on_train_end: last.ckpt at the final step"),
     (ModelCheckpoint, "_should_skip_saving_checkpoint", "RunCheckpoint.on_train_end: not twice for one step"),
@@ -31,6 +33,8 @@ PRIVATE_ATTRIBUTES = [
     ("checkpoint", "_last_checkpoint_saved", "RunCheckpoint: the newest file, for messages and the history"),
     ("checkpoint", "_last_global_step_saved", "RunCheckpoint._write replaces Trainer.save_checkpoint"),
     ("trainer", "_checkpoint_connector", "RunCheckpoint._write: dump_checkpoint without the barrier after it"),
+    ("model_parallel", "_save_distributed_checkpoint", "app/safety/checkpoints.py shard_key: an async write's layout"),
+    ("fsdp", "_state_dict_type", "app/safety/checkpoints.py shard_key: an async write's layout"),
     ("module", "_trainer", "models/language_model.py configure_model: the trainer or None, without raising"),
     ("fused_adamw", "_step_supports_amp_scaling", "bad_steps, language_model: the step reads found_inf itself"),
 ]
@@ -39,7 +43,8 @@ PRIVATE_ATTRIBUTES = [
 def instances() -> dict[str, object]:
     fused_adamw = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], fused=True)
     return {"checkpoint": ModelCheckpoint(), "trainer": L.Trainer(logger=False, enable_checkpointing=False),
-            "module": L.LightningModule(), "fused_adamw": fused_adamw}
+            "module": L.LightningModule(), "fused_adamw": fused_adamw, "model_parallel": ModelParallelStrategy(),
+            "fsdp": FSDPStrategy()}
 
 
 @pytest.mark.parametrize(("owner", "name", "why"), PRIVATE_METHODS, ids=[name for _, name, _ in PRIVATE_METHODS])
