@@ -116,9 +116,7 @@ class RunCheckpoint(ModelCheckpoint):
                                         blocking_seconds=time.perf_counter() - started)
             return
         if failed := self._write(trainer, checkpoint, partial):
-            if trainer.is_global_zero:  # every rank is past its write: nothing adds to the partial any more
-                remove_path(partial)
-            raise UserError(write_failed(trainer.global_step, partial.parent, failed, kept, resume))
+            raise UserError(self._discard(trainer, trainer.global_step, partial, failed, kept, resume))
         if trainer.is_global_zero:
             replace_path(partial, Path(filepath))
         trainer.strategy.barrier("RunCheckpoint.replace")
@@ -165,10 +163,9 @@ class RunCheckpoint(ModelCheckpoint):
         moved into place with its link and removals; or, if any rank failed, removed, with one line."""
         pending, self._pending = self._pending, None
         if failed:
-            if trainer.is_global_zero:
-                remove_path(pending.partial)
+            message = self._discard(trainer, pending.step, pending.partial, failed, pending.kept, pending.resume)
             pending.raise_unexpected_error()
-            raise UserError(write_failed(pending.step, pending.partial.parent, failed, pending.kept, pending.resume))
+            raise UserError(message)
         if trainer.is_global_zero:
             replace_path(pending.partial, pending.target)
         trainer.strategy.barrier("RunCheckpoint.replace")
@@ -176,6 +173,16 @@ class RunCheckpoint(ModelCheckpoint):
             action()
         blocking_seconds = pending.blocking_seconds + time.perf_counter() - started
         self._saved(trainer, pending.step, blocking_seconds, write_seconds=time.perf_counter() - pending.started)
+
+    def _discard(self, trainer: L.Trainer, step: int, partial: Path, failed: int, kept: str, resume: str) -> str:
+        """The line for a write of ``step`` that failed on some rank with error number ``failed``, said alike by
+        every rank: each measures the free space before rank 0 removes the partial, which every rank has stopped
+        writing to."""
+        message = write_failed(step, partial.parent, failed, kept, resume)
+        trainer.strategy.barrier("RunCheckpoint.failed")
+        if trainer.is_global_zero:
+            remove_path(partial)
+        return message
 
     def _saved(self, trainer: L.Trainer, step: int, blocking_seconds: float, write_seconds: float) -> None:
         """A checkpoint of ``step`` is in place: log what it cost, and tell the loggers."""
