@@ -14,6 +14,7 @@ import os
 import pickle
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from app.safety.checkpoints import (
     check_writes_in_background,
     load_checkpoint,
+    non_finite_tensors,
     optimizer_state_by_name,
     optimizer_state_by_position,
     parameter_names,
@@ -157,6 +159,18 @@ def test_the_newest_step_checkpoints_are_kept_and_last_links_to_the_newest(tmp_p
     assert sorted(path.name for path in folder.iterdir()) == ["last.ckpt", "step=000006.ckpt", "step=000007.ckpt"]
     assert os.readlink(folder / "last.ckpt") == "step=000007.ckpt"
     assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 7
+
+
+def test_non_finite_weights_and_moments_are_named_and_an_overflowing_sum_is_not() -> None:
+    """The check sums each tensor: a NaN or inf shows in the sum, and a finite tensor whose float32 sum overflows
+    (two values of 3e38) is cleared by the exact check."""
+    module = torch.nn.Module()
+    module.big = torch.nn.Parameter(torch.full((2,), 3e38))
+    module.poisoned = torch.nn.Parameter(torch.tensor([1.0, float("nan")]))
+    optimizer = torch.optim.SGD(module.parameters(), momentum=0.9)
+    optimizer.state[module.big]["momentum_buffer"] = torch.tensor([float("-inf")])
+    trainer = SimpleNamespace(lightning_module=module, optimizers=[optimizer])
+    assert non_finite_tensors(trainer) == ["poisoned", "optimizer 0 momentum_buffer of big"]
 
 
 def test_optimizer_state_goes_by_parameter_name_into_another_parameter_order() -> None:
