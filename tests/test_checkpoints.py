@@ -152,13 +152,15 @@ def test_no_checkpoint_is_written_with_nan_on_any_rank(tmp_path: Path, debug_run
 @pytest.mark.slow
 def test_the_newest_step_checkpoints_are_kept_and_last_links_to_the_newest(tmp_path: Path,
                                                                             debug_run_args: list[str]) -> None:
-    """Every 2 steps, keep 2 (the default), and the final step 7 saved too; the oldest go only after a new one."""
+    """Every 2 steps, keep 2 (the default), and the final step 7 saved too; the oldest go only after a new one. Each
+    save logs how long it held the loop."""
     fit_in_process(tmp_path, debug_run_args, "--trainer.max_steps", "7", "--checkpoint.every_n_train_steps", "2",
                    "--data.global_batch_size", "4", "--data.micro_batch_size", "4")
     folder = tmp_path / "lightning_logs/version_0/checkpoints"
     assert sorted(path.name for path in folder.iterdir()) == ["last.ckpt", "step=000006.ckpt", "step=000007.ckpt"]
     assert os.readlink(folder / "last.ckpt") == "step=000007.ckpt"
     assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 7
+    assert logged_steps(tmp_path, "checkpoint/blocking_seconds") == [2, 4, 6, 7]
 
 
 def test_non_finite_weights_and_moments_are_named_and_an_overflowing_sum_is_not() -> None:

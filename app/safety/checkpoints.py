@@ -84,6 +84,7 @@ class RunCheckpoint(ModelCheckpoint):
         self.async_save = async_save
         self._writer = BackgroundWriter()
         self._pending: PendingSave | None = None
+        self._save_started: float | None = None  # time.perf_counter() when the save being made began
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -110,18 +111,28 @@ class RunCheckpoint(ModelCheckpoint):
         self._last_checkpoint_saved = filepath
         # a save while the run is being interrupted (checkpoint.save_on_exception) is written at once: the ranks
         # may never meet again to finish a background write
+        self._save_started = started
         if self.async_save and trainer.state.status == TrainerStatus.RUNNING:
             written = self._write_in_background(trainer, checkpoint, partial)
-            self._pending = PendingSave(trainer.global_step, partial, Path(filepath), kept, resume, written, started,
-                                        blocking_seconds=time.perf_counter() - started)
+            self._pending = PendingSave(trainer.global_step, partial, Path(filepath), kept, resume, written, started)
             return
         if failed := self._write(trainer, checkpoint, partial):
             raise UserError(self._discard(trainer, trainer.global_step, partial, failed, kept, resume))
         if trainer.is_global_zero:
             replace_path(partial, Path(filepath))
         trainer.strategy.barrier("RunCheckpoint.replace")
-        seconds = time.perf_counter() - started
-        self._saved(trainer, trainer.global_step, blocking_seconds=seconds, write_seconds=seconds)
+
+    def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
+        """Lightning's, then the time the loop spent on the save just made, which Lightning follows with this in
+        every path: the write (or the copy, for a background write), the removal of the oldest, the link."""
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        if self._save_started is None:
+            return
+        seconds, self._save_started = time.perf_counter() - self._save_started, None
+        if self._pending is not None:  # the rest is counted when it is put in place
+            self._pending.blocking_seconds = seconds
+        else:
+            self._saved(trainer, trainer.global_step, blocking_seconds=seconds, write_seconds=seconds)
 
     def _write(self, trainer: L.Trainer, checkpoint: dict[str, Any], partial: Path) -> int:
         """Write this rank's part of ``checkpoint`` to ``partial``; the worst error number of all ranks' writes, 0
