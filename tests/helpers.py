@@ -691,19 +691,24 @@ class HoldCheckpointWrites(Callback):
 
 
 class FailCheckpointWrite(Callback):
-    """The checkpoint of one step fails to write, as on a read-only disk: its writer raises OSError(EROFS), in the
-    background (checkpoint.async_save) or not."""
+    """The checkpoint of one step fails to write, as on a read-only disk: torch.save raises OSError(EROFS) for it,
+    in the background (checkpoint.async_save) or not. Only for a run in this process, which it leaves as it found."""
 
     def __init__(self, step: int) -> None:
         self.step = step
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        checkpoint_io = trainer.strategy.checkpoint_io
-        save = checkpoint_io.save_checkpoint
+        self.save = torch.save
 
-        def failing(checkpoint: dict[str, Any], path: Any, *args: Any, **kwargs: Any) -> None:
-            if checkpoint["global_step"] == self.step:
+        def failing(checkpoint: Any, path: Any, *args: Any, **kwargs: Any) -> None:
+            if isinstance(checkpoint, dict) and checkpoint.get("global_step") == self.step:
                 raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
-            save(checkpoint, path, *args, **kwargs)
+            self.save(checkpoint, path, *args, **kwargs)
 
-        checkpoint_io.save_checkpoint = failing  # this run's plugin only
+        torch.save = failing  # both writers call it as torch.save
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        torch.save = self.save
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")
