@@ -55,7 +55,8 @@ class AlternatingSaves(Callback):
         self.out = out
         self.steps: list[dict[str, Any]] = []
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         self.started = time.perf_counter()
         self.writing_at_start = writing(trainer)
 
@@ -155,8 +156,8 @@ def main() -> None:
         print(f"{kind:5} blocking s: first {blocking[first]:.3f}, then "
               f"{', '.join(f'{blocking[step]:.3f}' for step in rest)}; median {medians[kind]:.3f}; write s: "
               f"{', '.join(f'{write[step]:.2f}' for step in rest)}")
-    print(f"blocking, background / synchronous, medians after the first of each: {medians['async'] / medians['sync']:.3f}"
-          " (goal <= 0.10)")
+    ratio = medians["async"] / medians["sync"]
+    print(f"blocking, background / synchronous, medians after the first of each: {ratio:.3f} (goal <= 0.10)")
     pairs = step_rates(steps, args.every)
     print(f"steps/s during a background write / in the interval before it, per write: "
           f"{', '.join(f'{1 / during:.3f} / {1 / before:.3f}' for during, before in pairs)}; ratio median "

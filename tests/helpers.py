@@ -663,10 +663,10 @@ class HoldCheckpointWrites(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.write_copy = checkpoints.write_copy
 
-        def held(strategy: Any, partial: Path, key: Any, checkpoint: dict[str, Any], group: Any) -> int:
+        def held(strategy: Any, partial: Path, sharded: bool, checkpoint: dict[str, Any], group: Any) -> int:
             with self.moved_on:
                 self.moved_on.wait_for(lambda: self.step >= checkpoint["global_step"] + self.steps)
-            return self.write_copy(strategy, partial, key, checkpoint, group)
+            return self.write_copy(strategy, partial, sharded, checkpoint, group)
 
         checkpoints.write_copy = held  # looked up at each save
 

@@ -292,7 +292,8 @@ def test_sigterm_while_a_write_is_pending_leaves_it_and_the_stop_checkpoint_in_p
     folder = tmp_path / CHECKPOINTS
     assert sorted(path.name for path in folder.iterdir()) == ["last.ckpt", "step=000003.ckpt", "step=000005.ckpt"]
     assert os.readlink(folder / "last.ckpt") == "step=000005.ckpt"
-    assert [load_checkpoint(folder / name)["global_step"] for name in ("step=000003.ckpt", "step=000005.ckpt")] == [3, 5]
+    steps = [load_checkpoint(folder / name)["global_step"] for name in ("step=000003.ckpt", "step=000005.ckpt")]
+    assert steps == [3, 5]
 
 
 class OwnWriterStrategy(DDPStrategy):

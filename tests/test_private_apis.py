@@ -33,8 +33,8 @@ PRIVATE_ATTRIBUTES = [
     ("checkpoint", "_last_checkpoint_saved", "RunCheckpoint: the newest file, for messages and the history"),
     ("checkpoint", "_last_global_step_saved", "RunCheckpoint._write replaces Trainer.save_checkpoint"),
     ("trainer", "_checkpoint_connector", "RunCheckpoint._write: dump_checkpoint without the barrier after it"),
-    ("model_parallel", "_save_distributed_checkpoint", "app/safety/checkpoints.py shard_key: an async write's layout"),
-    ("fsdp", "_state_dict_type", "app/safety/checkpoints.py shard_key: an async write's layout"),
+    ("model_parallel", "_save_distributed_checkpoint", "checkpoints.py writes_shards: an async write's layout"),
+    ("fsdp", "_state_dict_type", "checkpoints.py writes_shards: an async write's layout"),
     ("module", "_trainer", "models/language_model.py configure_model: the trainer or None, without raising"),
     ("fused_adamw", "_step_supports_amp_scaling", "bad_steps, language_model: the step reads found_inf itself"),
 ]

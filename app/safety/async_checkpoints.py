@@ -40,7 +40,7 @@ class PendingSave:
     target: Path
     kept: str
     resume: str
-    written: Future[int] | None  # this rank's write, giving 0 or the error number it failed with; None: nothing to write
+    written: Future[int] | None  # this rank's write: 0, or the error number it failed with; None: nothing to write
     started: float  # time.perf_counter() when the save began
     blocking_seconds: float = 0.0  # how long the training loop has waited for this save so far
     after_write: list[Callable[[], None]] = field(default_factory=list)

@@ -109,9 +109,9 @@ class RunCheckpoint(ModelCheckpoint):
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(self.save_weights_only)
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
+        self._save_started = started
         # a save while the run is being interrupted (checkpoint.save_on_exception) is written at once: the ranks
         # may never meet again to finish a background write
-        self._save_started = started
         if self.async_save and trainer.state.status == TrainerStatus.RUNNING:
             written = self._write_in_background(trainer, checkpoint, partial)
             self._pending = PendingSave(trainer.global_step, partial, Path(filepath), kept, resume, written, started)
@@ -145,9 +145,9 @@ class RunCheckpoint(ModelCheckpoint):
     def _write_in_background(self, trainer: L.Trainer, checkpoint: dict[str, Any], partial: Path) -> Future[int] | None:
         """Start writing this rank's part of ``checkpoint`` to ``partial`` in the background, once it is copied;
         None where this rank writes nothing (DDP: rank 0 writes the one file)."""
-        key = shard_key(trainer.strategy)
-        mine = checkpoint if key is not None or trainer.is_global_zero else None
-        return self._writer.start(trainer, mine, functools.partial(write_copy, trainer.strategy, partial, key))
+        sharded = writes_shards(trainer.strategy)
+        mine = checkpoint if sharded or trainer.is_global_zero else None
+        return self._writer.start(trainer, mine, functools.partial(write_copy, trainer.strategy, partial, sharded))
 
     def finish_pending_save(self, trainer: L.Trainer) -> None:
         """Wait for the checkpoint being written in the background, then put it in place, or stop with one line if
@@ -294,20 +294,17 @@ def write_error_number(write: Callable[[], None], folder: Path) -> int:
         raise
 
 
-def shard_key(strategy: Strategy) -> str | None:
-    """Where a strategy that writes a sharded folder keeps the weights in it (ModelParallelStrategy: "state_dict",
-    FSDPStrategy: "model", as ``load_sharded_checkpoint`` reads them); None for a strategy that writes one file."""
-    if isinstance(strategy, ModelParallelStrategy) and strategy._save_distributed_checkpoint:
-        return "state_dict"
-    if isinstance(strategy, FSDPStrategy) and strategy._state_dict_type == "sharded":
-        return "model"
-    return None
+def writes_shards(strategy: Strategy) -> bool:
+    """Whether the strategy writes a sharded folder (torch.distributed.checkpoint) rather than one file."""
+    if isinstance(strategy, ModelParallelStrategy):
+        return strategy._save_distributed_checkpoint
+    return isinstance(strategy, FSDPStrategy) and strategy._state_dict_type == "sharded"
 
 
 def check_writes_in_background(strategy: Strategy) -> None:
     """A UserError for a strategy whose checkpoints ``write_copy`` cannot write as the strategy itself would."""
     name = type(strategy).__name__
-    if isinstance(strategy, FSDPStrategy) and shard_key(strategy) is not None:
+    if isinstance(strategy, FSDPStrategy) and writes_shards(strategy):
         raise UserError(f"checkpoint.async_save cannot copy {name}'s sharded checkpoints (torch's checkpoint stager "
                         "takes DTensors, not FSDP's ShardedTensors): use configs/trainer/model_parallel_gpu_bf16.yaml "
                         "(FSDP2), set trainer.strategy.init_args.state_dict_type full, or checkpoint.async_save false")
@@ -317,21 +314,22 @@ def check_writes_in_background(strategy: Strategy) -> None:
                         "DDP, FSDP2 (model_parallel) or the pipeline, or set checkpoint.async_save false")
 
 
-def write_copy(strategy: Strategy, partial: Path, key: str | None, checkpoint: dict[str, Any],
+def write_copy(strategy: Strategy, partial: Path, sharded: bool, checkpoint: dict[str, Any],
                group: torch.distributed.ProcessGroup | None) -> int:
     """In the writing thread: the CPU copy ``checkpoint`` written to ``partial`` as the strategy's own
-    ``save_checkpoint`` writes it (one file from rank 0, or this rank's shards under ``key`` and, from rank 0,
-    ``meta.pt`` beside them), with collectives only on ``group``; 0 or the error number it failed with. One file
-    goes straight to the local disk (a ``last.ckpt`` link needs one): Lightning's writer first serialises it into
-    memory through Python, which took 4x as long on the 2-core VM, all of it beside the training loop."""
+    ``save_checkpoint`` writes it (one file from rank 0, or this rank's shards and, from rank 0, ``meta.pt`` beside
+    them, laid out as ModelParallelStrategy lays them out), with collectives only on ``group``; 0 or the error number
+    it failed with. One file goes straight to the local disk (a ``last.ckpt`` link needs one): Lightning's writer
+    first serialises it into memory through Python, which took 4x as long on the 2-core VM, all of it beside the
+    training loop."""
     def write() -> None:
-        if key is None:
+        if not sharded:
             partial.parent.mkdir(parents=True, exist_ok=True)
             torch.save(checkpoint, partial)
             return
         partial.mkdir(parents=True, exist_ok=True)  # by every rank, whichever comes first
-        shards = {key: checkpoint.pop("state_dict")}
-        shards.update({f"optimizer_{index}": state for index, state in enumerate(checkpoint.pop("optimizer_states", []))})
+        optimizers = checkpoint.pop("optimizer_states", [])
+        shards = {"state_dict": checkpoint.pop("state_dict"), **{f"optimizer_{i}": s for i, s in enumerate(optimizers)}}
         torch.distributed.checkpoint.save(shards, checkpoint_id=partial, process_group=group)
         if strategy.global_rank == 0:
             torch.save(checkpoint, partial / META_FILE)
