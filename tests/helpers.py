@@ -5,6 +5,7 @@ No ``from __future__ import annotations`` here: DDP checks the comm hook's annot
 """
 
 
+import errno
 import hashlib
 import json
 import math
@@ -13,6 +14,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +29,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.distributed.tensor import DTensor
 
 from app.__main__ import main
+from app.safety import checkpoints
 from app.safety.checkpoints import consolidate
 from tests.processes import REPO_ROOT, run_cohort
 
@@ -745,3 +748,67 @@ class RecordWeightDigests(Callback):
             digest.update(local.detach().cpu().clone().numpy().tobytes())  # a copy: FSDP2 resizes its storage
         self.digests[trainer.global_step] = digest.hexdigest()
         (self.out_dir / f"digests_rank{trainer.global_rank}.json").write_text(json.dumps(self.digests))
+
+
+class HoldCheckpointWrites(Callback):
+    """Holds each background checkpoint write (checkpoint.async_save) until training has gone ``steps`` optimizer
+    steps past the step it saves, or has ended: the weights it was copied from change meanwhile, and a loop that
+    waited for the write would never get that far (the run would hang)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.step = 0
+        self.moved_on = threading.Condition()
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.write_copy = checkpoints.write_copy
+
+        def held(strategy: Any, partial: Path, sharded: bool, checkpoint: dict[str, Any], group: Any) -> int:
+            with self.moved_on:
+                self.moved_on.wait_for(lambda: self.step >= checkpoint["global_step"] + self.steps)
+            return self.write_copy(strategy, partial, sharded, checkpoint, group)
+
+        checkpoints.write_copy = held  # looked up at each save
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.move_to(trainer.global_step)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.move_to(math.inf)  # before the checkpoint callback's own on_train_end, which Lightning calls last
+
+    def move_to(self, step: float) -> None:
+        with self.moved_on:
+            self.step = step
+            self.moved_on.notify_all()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        checkpoints.write_copy = self.write_copy  # an in-process run leaves the module as it found it
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.move_to(math.inf)
+        self.teardown(trainer, pl_module, "fit")
+
+
+class FailCheckpointWrite(Callback):
+    """The checkpoint of one step fails to write, as on a read-only disk: torch.save raises OSError(EROFS) for it,
+    in the background (checkpoint.async_save) or not. Only for a run in this process, which it leaves as it found."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.save = torch.save
+
+        def failing(checkpoint: Any, path: Any, *args: Any, **kwargs: Any) -> None:
+            if isinstance(checkpoint, dict) and checkpoint.get("global_step") == self.step:
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            self.save(checkpoint, path, *args, **kwargs)
+
+        torch.save = failing  # both writers call it as torch.save
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        torch.save = self.save
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")

@@ -13,20 +13,31 @@ import torch
 from app.safety.bad_steps import MIN_SPIKE_HISTORY, BadStepGuard
 from app.safety.checkpoints import read_checkpoint
 from tests.helpers import (
-    DDP_2, MODEL_PARALLEL, QUIET, assert_only_step_skipped, batch_sizes, one_line_error, poison_gradient,
-    record_weight_digests, run_cohort, run_in_process, scalars, weight_digests, weight_digests_per_rank,
+    DDP_2,
+    MODEL_PARALLEL,
+    QUIET,
+    assert_only_step_skipped,
+    batch_sizes,
+    one_line_error,
+    poison_gradient,
+    record_weight_digests,
+    run_cohort,
+    run_in_process,
+    scalars,
+    weight_digests,
+    weight_digests_per_rank,
 )
 
 POISONED_RANK = 1
 
 
-def poisoned_run(run_dir: Path, debug_run_args: list[str], action: str, step: int,
-                 layout: list[str]) -> subprocess.CompletedProcess:
+def poisoned_run(run_dir: Path, debug_run_args: list[str], action: str, step: int, layout: list[str],
+                 *extra: str) -> subprocess.CompletedProcess:
     """8 steps on 2 processes, checkpointing every 2, with rank 1's gradients poisoned at ``step``."""
     run_dir.mkdir()
     return run_cohort(["fit", *debug_run_args, *QUIET, *layout, "--trainer.max_steps", "8", *batch_sizes(8, 4),
                        "--checkpoint.every_n_train_steps", "2", "--bad_steps.action", action,
-                       *poison_gradient(POISONED_RANK, step), *record_weight_digests(run_dir)], cwd=run_dir)
+                       *poison_gradient(POISONED_RANK, step), *record_weight_digests(run_dir), *extra], cwd=run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +105,18 @@ def test_rollback_reloads_a_sharded_checkpoint(tmp_path: Path, debug_run_args: l
     assert "rolled back every rank to" in result.stderr and "step=000004.ckpt" in result.stderr
     for after in weight_digests_per_rank(tmp_path / "run"):  # the ranks hold different shards: each against itself
         assert after[5] == after[4] and after[6] == after[4] and after[7] != after[6] and max(after) == 8
+
+
+@pytest.mark.slow
+def test_rollback_reads_a_checkpoint_written_in_the_background(tmp_path: Path, debug_run_args: list[str]) -> None:
+    """checkpoint.async_save, step 4's write held until step 5 has changed the weights: the rollback after the bad
+    step 5 waits for that write to be in place and reloads step 4's state, not step 2's, on both ranks."""
+    result = poisoned_run(tmp_path / "run", debug_run_args, "rollback", 5, DDP_2, "--checkpoint.async_save", "true",
+                          "--trainer.callbacks+=tests.helpers.HoldCheckpointWrites", "--trainer.callbacks.steps=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rolled back every rank to" in result.stderr and "step=000004.ckpt" in result.stderr
+    after = weight_digests(tmp_path / "run")
+    assert after[6] == after[4] and after[7] != after[6] and max(after) == 8
 
 
 def test_a_diverging_run_stops_at_its_first_nan(debug_run_args: list[str], tmp_path: Path,

@@ -17,7 +17,12 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
-from app.safety.checkpoints import META_FILE, is_sharded_checkpoint, os_error_in, read_checkpoint
+from app.safety.checkpoints import (
+    META_FILE,
+    is_sharded_checkpoint,
+    os_error_in,
+    read_checkpoint,
+)
 from tests.helpers import DDP_2, MODEL_PARALLEL, QUIET, batch_sizes, run_cohort
 
 CHECKPOINTS = Path("lightning_logs/version_0/checkpoints")  # the default checkpoint.dirpath of a new run
@@ -25,8 +30,8 @@ EVERY_2_STEPS = ["--trainer.max_steps", "8", "--checkpoint.every_n_train_steps",
 
 
 def mount_tmpfs(folder: Path, options: str) -> None:
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True,
-                            text=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], check=False,
+                            capture_output=True, text=True)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}): these tests need root and mount")
 
@@ -54,11 +59,13 @@ def error_lines(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("cohort: error: ")]
 
 
-def test_a_full_disk_stops_the_run_keeps_last_and_resumes(tmp_path: Path, debug_run_args: list[str],
+@pytest.mark.parametrize("mode", [[], ["--checkpoint.async_save", "true"]], ids=["sync", "async"])
+def test_a_full_disk_stops_the_run_keeps_last_and_resumes(mode: list[str], tmp_path: Path, debug_run_args: list[str],
                                                            small_disk: Callable[[Path, str], Path]) -> None:
-    """1 process, checkpoints every 2 steps, keep 2: steps 2 and 4 fit, step 6 does not."""
+    """1 process, checkpoints every 2 steps, keep 2: steps 2 and 4 fit, step 6 does not (written in the background,
+    the oldest is still there too: it goes only once the new one is in place)."""
     folder = small_disk(tmp_path / CHECKPOINTS)
-    run = ["fit", *debug_run_args, *QUIET, *EVERY_2_STEPS, *batch_sizes(4, 4)]
+    run = ["fit", *debug_run_args, *QUIET, *EVERY_2_STEPS, *batch_sizes(4, 4), *mode]
     result = run_cohort([*run, "--trainer.logger.init_args.version", "0"], cwd=tmp_path)  # version_0 exists: the mount
     assert result.returncode == 1, result.stderr[-3000:]
     [line] = error_lines(result)
@@ -85,10 +92,10 @@ def test_a_read_only_checkpoint_folder_stops_the_run_at_the_first_save(tmp_path:
     result = run_cohort(["fit", *debug_run_args, *QUIET, *EVERY_2_STEPS, *batch_sizes(4, 4),
                          "--trainer.logger.init_args.version", "0"], cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-3000:]
-    assert error_lines(result) == [
+    assert error_lines(result) == [(
         f"cohort: error: step 2: writing a checkpoint in {CHECKPOINTS} failed (Read-only file system), so no "
         "checkpoint was written and there is none from before: fix the folder or point checkpoint.dirpath elsewhere, "
-        "then resume with --ckpt_path last (COHORT_TRACEBACK=1 shows where)"]
+        "then resume with --ckpt_path last (COHORT_TRACEBACK=1 shows where)")]
     assert not list(folder.iterdir())
 
 
@@ -109,16 +116,19 @@ def test_a_full_temporary_folder_is_named(tmp_path: Path, debug_run_args: list[s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, kept_step", [(DDP_2, 4), (MODEL_PARALLEL, 2)], ids=["ddp", "fsdp2-sharded"])
-def test_a_full_disk_stops_every_rank_alike(strategy: list[str], kept_step: int, tmp_path: Path,
+@pytest.mark.parametrize("strategy, kept_step, mode", [(DDP_2, 4, []), (MODEL_PARALLEL, 2, []),
+                                                       (MODEL_PARALLEL, 2, ["--checkpoint.async_save", "true"])],
+                         ids=["ddp", "fsdp2-sharded", "fsdp2-sharded-async"])
+def test_a_full_disk_stops_every_rank_alike(strategy: list[str], kept_step: int, mode: list[str], tmp_path: Path,
                                             debug_run_args: list[str],
                                             small_disk: Callable[[Path, str], Path]) -> None:
     """2 processes, checkpoint.dirpath on the tmpfs. DDP: rank 0 alone writes, and fails; rank 1 must not wait for
     it at a barrier but stop with the same line. FSDP2: both ranks write shards into one folder, and DCP reports
-    the failure inside a CheckpointException. Then the run resumes from the checkpoint the line names."""
+    the failure inside a CheckpointException; with checkpoint.async_save it does so in each rank's writing thread,
+    and the ranks find it at a later step end. Then the run resumes from the checkpoint the line names."""
     folder = small_disk(tmp_path / "small")
     run = ["fit", *debug_run_args, *QUIET, *strategy, *EVERY_2_STEPS, *batch_sizes(4, 2),
-           "--checkpoint.dirpath", str(folder)]
+           "--checkpoint.dirpath", str(folder), *mode]
     result = run_cohort(run, cwd=tmp_path, timeout=120)
     assert result.returncode == 1, result.stderr[-3000:]
     lines = error_lines(result)

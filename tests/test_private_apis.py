@@ -13,14 +13,15 @@ from lightning.fabric.strategies.launchers import launcher
 from lightning.fabric.utilities import load
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from torch.distributed import _serialization
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 # (owner, attribute, who uses it and why)
 PRIVATE_METHODS = [
     (ModelCheckpoint, "_save_checkpoint", "app/safety/checkpoints.py RunCheckpoint: write NAME.partial, rename"),
-    (ModelCheckpoint, "_link_checkpoint", "RunCheckpoint: replace last.ckpt's link atomically"),
+    (ModelCheckpoint, "_link_checkpoint", "RunCheckpoint: replace last.ckpt's link atomically, after an async write"),
+    (ModelCheckpoint, "_remove_checkpoint", "RunCheckpoint: remove the oldest only once an async write is in place"),
     (ModelCheckpoint, "_save_topk_checkpoint", "RunCheckpoint.on_train_end: keep the final step in the history"),
     (ModelCheckpoint, "_save_last_checkpoint", "RunCheckpoint.on_train_end: last.ckpt at the final step"),
     (ModelCheckpoint, "_should_skip_saving_checkpoint", "RunCheckpoint.on_train_end: not twice for one step"),
@@ -39,9 +40,11 @@ PRIVATE_ATTRIBUTES = [
     ("checkpoint", "_last_checkpoint_saved", "RunCheckpoint: the newest file, for messages and the history"),
     ("checkpoint", "_last_global_step_saved", "RunCheckpoint._write replaces Trainer.save_checkpoint"),
     ("trainer", "_checkpoint_connector", "RunCheckpoint._write: dump_checkpoint without the barrier after it"),
+    ("model_parallel", "_save_distributed_checkpoint", "checkpoints.py writes_shards: an async write's layout"),
+    ("fsdp", "_state_dict_type", "checkpoints.py writes_shards: an async write's layout"),
     ("module", "_trainer", "models/language_model.py configure_model: the trainer or None, without raising"),
     ("fused_adamw", "_step_supports_amp_scaling", "bad_steps, language_model: the step reads found_inf itself"),
-    ("epoch_loop", "_batches_that_stepped", "fault_tolerance/strategy.py start_step: the logging step is the committed step"),
+    ("epoch_loop", "_batches_that_stepped", "fault_tolerance/strategy.py start_step: the committed step is logged"),
 ]
 
 
@@ -49,7 +52,8 @@ def instances() -> dict[str, object]:
     fused_adamw = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], fused=True)
     trainer = L.Trainer(logger=False, enable_checkpointing=False)
     return {"checkpoint": ModelCheckpoint(), "trainer": trainer, "module": L.LightningModule(),
-            "fused_adamw": fused_adamw, "epoch_loop": trainer.fit_loop.epoch_loop}
+            "fused_adamw": fused_adamw, "epoch_loop": trainer.fit_loop.epoch_loop,
+            "model_parallel": ModelParallelStrategy(), "fsdp": FSDPStrategy()}
 
 
 @pytest.mark.parametrize(("owner", "name", "why"), PRIVATE_METHODS, ids=[name for _, name, _ in PRIVATE_METHODS])

@@ -159,7 +159,10 @@ class BadStepGuard(Callback):
                                 "set bad_steps.action to skip or rollback")
 
     def _rollback(self, trainer: L.Trainer, what: str) -> None:
-        last = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
+        callback = trainer.checkpoint_callback
+        if isinstance(callback, RunCheckpoint):
+            callback.finish_pending_save(trainer)  # the newest may still be being written (checkpoint.async_save)
+        last = callback.last_model_path if callback else ""
         if not last:
             raise UserError(f"{what}, and no checkpoint was written yet to roll back to: lower "
                             "checkpoint.every_n_train_steps or model.optimizer.learning_rate, or set bad_steps.action skip")

@@ -13,7 +13,8 @@ A rank can also fail to reach that step: blocked in a collective with a peer tha
 only between bytecodes, never while a collective waits, so a thread hears each signal through the wakeup fd the
 moment it arrives; if the process is still alive ``grace_seconds`` later, it ends it with the same exit code and one
 line, before the scheduler's SIGKILL. Checkpoint writes go to ``.partial`` files first, so an exit mid-write loses
-nothing but that write.
+nothing but that write. Under ``checkpoint.async_save`` the stop first waits for a checkpoint still being written in
+the background and puts it in place, then writes the stop's step: the grace time covers both.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class PreemptionCheckpoint(Callback):
         self.requeued = True
         if not trainer.is_global_zero:
             return
-        result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+        result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"scontrol requeue {job_id} failed: {result.stderr.strip()}; the checkpoint is saved, "
                                "resubmit the job with --ckpt_path last")
