@@ -86,9 +86,8 @@ class ImageClassifier(CohortModule):
         logits = self.model(images)
         loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
         if run_plan_of(self).ends_optimizer_step(batch_idx):  # a step's logged value is its last micro-batch's
-            self.log("train/loss", loss, prog_bar=True)
-            self.log("train/accuracy", (logits.argmax(-1) == labels).float().mean())
-            self.log("lr", self.lr_schedulers().get_last_lr()[0])
+            self.step_metrics = {"train/loss": loss.detach(),
+                                 "train/accuracy": (logits.argmax(-1) == labels).float().mean()}
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:

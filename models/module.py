@@ -32,7 +32,7 @@ from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
 from models.optimizer import OptimizerSettings
-from models.parallelize import TensorParallelPlan, build_network, clip_grad_norm_, repeated_blocks
+from models.parallelize import GradientNorms, TensorParallelPlan, build_network, clip_grad_norm_, repeated_blocks
 from models.pipeline import (
     Pipeline, PipelineSplit, block_paths, check_split, keep_stage, merge_stages, rank_stages, tied_parts,
 )
@@ -64,6 +64,10 @@ class CohortModule(L.LightningModule):
         self.pipeline: Any = None  # this rank's pipeline stages and their schedule (models/pipeline.py), if any
         self.run_plan: RunPlan | None = None  # handed over by the CLI before training
         self.val_loss = MeanMetric()  # the default validation_step's, weighted by samples
+        self._gradient_norms: GradientNorms | None = None  # this optimizer step's, once taken (gradient_norms)
+        # the step's values to log (its last micro-batch's loss, the gradient norm before clipping, ...), set by
+        # training_step and clipping, logged by on_train_batch_end
+        self.step_metrics: dict[str, torch.Tensor] = {}
 
     # ----- what a family provides -----
     def plain_network(self) -> nn.Module:
@@ -197,8 +201,7 @@ class CohortModule(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """The family's loss of one micro-batch, or under a pipeline its forward and backward through all stages,
-        now (Lightning's backward is then skipped). Logged (with the learning rate) once per optimizer step, at its
-        last micro-batch: a step's logged value is that one's anyway, and each self.log costs about a millisecond."""
+        now (Lightning's backward is then skipped). The step's last one is logged (``log_step_metrics``)."""
         plan = run_plan_of(self)
         if self.pipeline is not None:
             if plan.starts_optimizer_step(batch_idx):  # see optimizer_zero_grad
@@ -209,9 +212,30 @@ class CohortModule(L.LightningModule):
         else:
             loss = self.batch_loss(self.model, self.prepare_batch(batch, batch_idx))
         if plan.ends_optimizer_step(batch_idx):
-            self.log("train/loss", loss, prog_bar=True)
-            self.log("lr", self.lr_schedulers().get_last_lr()[0])
+            self.step_metrics = {"train/loss": loss.detach()}
         return loss
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's step (after the step's last micro-batch, its clipping and the update); then the step's values
+        are logged if the logger writes this step, so that callbacks read them in on_train_batch_end."""
+        super().optimizer_step(*args, **kwargs)
+        if self.trainer._logger_connector.should_update_logs:
+            self.log_step_metrics()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """A stop asked for in the callbacks' on_train_batch_end (a preemption signal) makes the logger write this
+        step too: its values, not the last logged step's, which Lightning would write again."""
+        if self.step_metrics and self.trainer._logger_connector.should_update_logs:
+            self.log_step_metrics()
+
+    def log_step_metrics(self) -> None:
+        """The step's loss, gradient norm, ... and learning rate, once. Only on the steps the logger writes (every
+        trainer.log_every_n_steps, and the step a run stops at): each self.log costs Lightning about half a
+        millisecond of Python, a tenth of a small model's step, and the logger drops the other steps' values."""
+        for name, value in self.step_metrics.items():
+            self.log(name, value, prog_bar=name == "train/loss")
+        self.log("lr", self.lr_schedulers().get_last_lr()[0])  # the scheduler steps after on_train_batch_end
+        self.step_metrics = {}
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Lightning's backward of the training step's loss; under a pipeline the schedule has run it already."""
@@ -252,6 +276,19 @@ class CohortModule(L.LightningModule):
             if isinstance(hparams.get("optimizer"), OptimizerSettings):
                 hparams["optimizer"] = asdict(hparams["optimizer"])
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._gradient_norms = None  # the gradients will change
+
+    def gradient_norms(self, optimizer: torch.optim.Optimizer) -> GradientNorms:
+        """The norms of the optimizer's gradients (under a pipeline, those this stage counts), taken once per
+        optimizer step: the bad-step guard (app/safety/bad_steps.py) and clipping read the same pass. Under fp16's
+        grad scaler the guard does not ask, and clipping asks after unscaling."""
+        if self._gradient_norms is None:
+            parameters = [param for group in optimizer.param_groups for param in group["params"]]
+            counted = self.pipeline.counted_parameters(parameters) if self.pipeline is not None else parameters
+            self._gradient_norms = GradientNorms(param.grad for param in counted if param.grad is not None)
+        return self._gradient_norms
+
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
@@ -266,11 +303,9 @@ class CohortModule(L.LightningModule):
         if gradient_clip_algorithm == "value":
             torch.nn.utils.clip_grad_value_(parameters, gradient_clip_val)
             return
-        pipeline = self.pipeline
-        norm = clip_grad_norm_(self.trainer.model, parameters, gradient_clip_val,
-                               pipeline_group=pipeline and pipeline.group,
-                               counted=pipeline and pipeline.counted_parameters(parameters))
-        self.log("train/grad_norm", norm)
+        self.step_metrics["train/grad_norm"] = clip_grad_norm_(self.trainer.model, parameters, gradient_clip_val,
+                                                               self.gradient_norms(optimizer),
+                                                               pipeline_group=self.pipeline and self.pipeline.group)
 
     def configure_optimizers(self) -> dict[str, Any]:
         """The family's optimizer settings over its network (models/optimizer.py)."""

@@ -66,7 +66,7 @@ def build_network(
         block_list = apply_activation_checkpointing(network, block_list)
     if compile:
         apply_compile(block_list)
-    if device_mesh is not None:
+    if shards_data_parallel(device_mesh, pipeline_stage=keep_stage is not None):
         # a pipeline runs each stage's forward once per pipeline micro-batch: gathering the shards again each time
         # would cost more than keeping them (torchtitan does the same)
         batch_norms = any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in network.modules())
@@ -78,6 +78,19 @@ def build_network(
     else:
         initialize(network, seed, make_network)
     return network
+
+
+def shards_data_parallel(device_mesh: DeviceMesh | None, pipeline_stage: bool) -> bool:
+    """Whether FSDP2 wraps the network on ``device_mesh``: always over several data-parallel ranks, and over one too
+    (making every parameter a DTensor), except for a pipeline stage on a mesh of one data- and one tensor-parallel
+    rank. There it would shard over one rank, and its hooks and gradient copies around every pipeline micro-batch
+    cost about a fifth of the stage's compute on CPU (benchmarks/RESULTS.md, pipeline speed). Under tensor
+    parallelism the stage keeps it, so that the optimizer's fused step never meets DTensors and plain tensors
+    together."""
+    if device_mesh is None:
+        return False
+    alone = device_mesh["data_parallel"].size() == 1 and device_mesh["tensor_parallel"].size() == 1
+    return not (pipeline_stage and alone)
 
 
 def repeated_blocks(network: nn.Module) -> list[nn.Module]:
@@ -224,46 +237,57 @@ def local_slice(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
     return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
 
 
+class GradientNorms:
+    """The L2 norms of a set of gradients from one pass over them, one per device mesh they live on (a DTensor
+    gradient's norm is this rank's part of it): the bad-step guard checks this rank's part for NaN and inf without
+    communicating, and clipping makes them whole, over the meshes and the pipeline stages, into the global norm.
+    (torch's clip_grad_norm_ needs every gradient on one mesh: under tensor parallelism some live on the 2-D (data,
+    tensor) mesh and the replicated ones on the data mesh only.)"""
+
+    def __init__(self, grads: Iterable[torch.Tensor]) -> None:
+        by_mesh: dict[object, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_mesh.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
+        with torch.no_grad():
+            self.parts = [torch.nn.utils.get_total_norm(grads, norm_type=2.0) for grads in by_mesh.values()]
+
+    def finite_here(self) -> torch.Tensor:
+        """Whether this rank's gradients are all finite, as one tensor on their device (no host sync)."""
+        if not self.parts:
+            return torch.ones((), dtype=torch.bool)
+        local = [part.to_local() if isinstance(part, DTensor) else part for part in self.parts]
+        return torch.isfinite(torch.stack(local).float().sum())
+
+    def total(self, pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """The global norm, float32: the sum of squares over every mesh's shards and, under a pipeline, the stages
+        (each stage having counted only its own gradients)."""
+        wholes = [(part.full_tensor() if isinstance(part, DTensor) else part).float() for part in self.parts]
+        if len(wholes) == 1 and pipeline_group is None:
+            return wholes[0]  # the norm itself, bit for bit torch's clip_grad_norm_'s
+        squares = torch.zeros((), dtype=torch.float32, device=wholes[0].device if wholes else None)
+        for whole in wholes:
+            squares = squares + whole ** 2
+        if pipeline_group is not None:
+            dist.all_reduce(squares, group=pipeline_group)
+        return squares.sqrt()
+
+
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, parameters: Iterable[nn.Parameter], max_norm: float,
-                    pipeline_group: dist.ProcessGroup | None = None,
-                    counted: Iterable[nn.Parameter] | None = None) -> torch.Tensor:
+                    norms: GradientNorms | None = None,
+                    pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Scale the gradients of ``parameters`` together so that their global L2 norm is at most ``max_norm``; returns
-    the norm before clipping. ``model`` is the module as the strategy wrapped it: under FSDP (1) only the root
-    module can add up the norms of its shards; DTensor gradients (FSDP2, tensor parallel) may live on several
-    meshes; plain ones (one device, DDP) are torch's case, summed in the order given. Under a pipeline the norm
-    is summed over the stages (``pipeline_group``), each stage counting only its ``counted`` parameters."""
+    the norm before clipping. ``norms`` are those of the gradients that count towards it, if already taken (under a
+    pipeline, this stage's own, summed over the stages in ``pipeline_group``), else all of ``parameters``'.
+    ``model`` is the module as the strategy wrapped it: under FSDP (1) only the root module can add up the norms of
+    its shards, so it takes its own. The scale stays on the device, as in torch's clip_grad_norm_: the host never
+    waits for the gradients."""
     if isinstance(model, FullyShardedDataParallel):
         return model.clip_grad_norm_(max_norm)
-    parameters = [param for param in parameters if param.grad is not None]
-    if pipeline_group is not None or any(isinstance(param.grad, DTensor) for param in parameters):
-        counted = parameters if counted is None else [param for param in counted if param.grad is not None]
-        return clip_grad_norm_across_meshes_(parameters, max_norm, counted, pipeline_group)
-    return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-
-
-@torch.no_grad()
-def clip_grad_norm_across_meshes_(parameters: list[nn.Parameter], max_norm: float, counted: list[nn.Parameter],
-                                  pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """``clip_grad_norm_`` for DTensor gradients and pipeline stages. torch's own version needs every gradient on
-    one device mesh; under tensor parallelism some live on the 2-D (data, tensor) mesh and the replicated ones on
-    the data mesh only. Norms of the ``counted`` gradients are taken per mesh, made whole (a sum over the
-    shards), combined, and summed over the pipeline stages; then all ``parameters`` are scaled."""
-    grads_by_mesh: dict[object, list[torch.Tensor]] = {}
-    for param in counted:
-        mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
-        grads_by_mesh.setdefault(mesh, []).append(param.grad)
-    device = parameters[0].grad.device if parameters else torch.device("cpu")
-    squares = torch.zeros((), dtype=torch.float32, device=device)
-    for grads in grads_by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        squares = squares + norm.float() ** 2
-    if pipeline_group is not None:
-        dist.all_reduce(squares, group=pipeline_group)
-    total_norm = squares.sqrt()
-    scale = min(1.0, max_norm / (total_norm.item() + 1e-6))  # one host sync per step
-    if scale < 1.0:
-        torch._foreach_mul_([param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-                             for param in parameters], scale)
+    grads = [param.grad for param in parameters if param.grad is not None]
+    total_norm = (norms or GradientNorms(grads)).total(pipeline_group)
+    grads = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+    if grads:
+        scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, scale.to(grads[0].device))
     return total_norm

@@ -128,6 +128,22 @@ def test_a_diverging_run_stops_at_its_first_nan(debug_run_args: list[str], tmp_p
     assert "the loss or gradients were NaN or inf on rank 0 of 1" in message and "no checkpoint was written" in message
 
 
+def test_the_guard_and_clipping_share_one_pass_over_the_gradients(debug_run_args: list[str], tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard checks the gradients for NaN and inf, clipping needs their norm: one norm per optimizer step
+    (here 5 steps of 2 micro-batches), and the norm, loss and learning rate logged on the logger's steps (2 and 4)."""
+    monkeypatch.chdir(tmp_path)
+    passes = []  # calls of the kernel that reads every gradient for their norms (torch's get_total_norm's)
+    foreach_norm = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda *args, **kwargs: passes.append(1) or
+                        foreach_norm(*args, **kwargs))
+    run_in_process(["fit", *debug_run_args, *QUIET, "--trainer.max_steps", "5", *batch_sizes(8, 4),
+                    "--trainer.gradient_clip_val", "1.0", "--trainer.log_every_n_steps", "2",
+                    "--trainer.limit_val_batches", "0"], monkeypatch)
+    assert len(passes) == 5
+    assert [len(scalars(tmp_path, tag)) for tag in ("train/grad_norm", "train/loss", "lr")] == [2, 2, 2]
+
+
 def test_a_loss_far_above_the_recent_ones_is_a_spike() -> None:
     guard = BadStepGuard(spike_zscore=6.0, spike_window=MIN_SPIKE_HISTORY)
     losses = 3.0 + 0.01 * torch.randn(MIN_SPIKE_HISTORY, generator=torch.Generator().manual_seed(0))

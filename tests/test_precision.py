@@ -125,6 +125,7 @@ def test_fp16_grad_scaler_with_fused_adamw_matches_torchs_amp_recipe(byte_corpus
     reference.configure_model()  # the same seed, so the same initial weights as the trained module's
     record = RecordBatchesAndNorms()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, gradient_clip_val=CLIP, logger=False,
+                        log_every_n_steps=1,  # the norm is logged on the steps the logger writes: every one
                         plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=scale))],
                         callbacks=[record], enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=0,

@@ -40,6 +40,7 @@ PRIVATE_ATTRIBUTES = [
     ("checkpoint", "_last_checkpoint_saved", "RunCheckpoint: the newest file, for messages and the history"),
     ("checkpoint", "_last_global_step_saved", "RunCheckpoint._write replaces Trainer.save_checkpoint"),
     ("trainer", "_checkpoint_connector", "RunCheckpoint._write: dump_checkpoint without the barrier after it"),
+    ("logger_connector", "should_update_logs", "models/module.py: a step's values logged only when the logger writes"),
     ("model_parallel", "_save_distributed_checkpoint", "checkpoints.py writes_shards: an async write's layout"),
     ("fsdp", "_state_dict_type", "checkpoints.py writes_shards: an async write's layout"),
     ("module", "_trainer", "models/language_model.py configure_model: the trainer or None, without raising"),
@@ -53,6 +54,7 @@ def instances() -> dict[str, object]:
     trainer = L.Trainer(logger=False, enable_checkpointing=False)
     return {"checkpoint": ModelCheckpoint(), "trainer": trainer, "module": L.LightningModule(),
             "fused_adamw": fused_adamw, "epoch_loop": trainer.fit_loop.epoch_loop,
+            "logger_connector": trainer._logger_connector,
             "model_parallel": ModelParallelStrategy(), "fsdp": FSDPStrategy()}
 
 

@@ -44,7 +44,7 @@ def fake_run(world_size: int, accumulation: int, step: int = 0) -> tuple[SimpleN
                    precision=PRECISIONS["32-true"], seed=1)
     assert plan.accumulation == accumulation
     trainer = SimpleNamespace(global_step=step, estimated_stepping_batches=8, log_every_n_steps=2,
-                              callback_metrics={"train/loss": torch.tensor(2.5), "lr": torch.tensor(1e-3)},
+                              optimizers=[SimpleNamespace(param_groups=[{"lr": 1e-3}])], callback_metrics={},
                               state=SimpleNamespace(fn="fit"), sanity_checking=False)
     return trainer, SimpleNamespace(run_plan=plan)
 
@@ -58,7 +58,8 @@ def train(progress: StepProgress, trainer: SimpleNamespace, module: SimpleNamesp
             clock.now += seconds_per_step / accumulation
             if micro_batch == accumulation - 1:
                 trainer.global_step += 1  # as Lightning does before the hook
-            progress.on_train_batch_end(trainer, module, None, None, micro_batch)
+            # Lightning hands back the micro-batch's loss divided by the accumulation steps
+            progress.on_train_batch_end(trainer, module, {"loss": torch.tensor(2.5) / accumulation}, None, micro_batch)
 
 
 def validate(progress: StepProgress, trainer: SimpleNamespace, clock: Clock, seconds: float) -> None:

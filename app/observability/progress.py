@@ -11,7 +11,7 @@ during fit prints one line with its result (on a terminal, below the last step l
 The rate is a moving average of rank 0's step times (the ranks keep in step through the gradient all-reduce), so
 it needs no collective; validation time is left out of it, and so is a run's first step (start-up). A resumed run
 starts at its restored step, and its ETA is the steps left at the current rate. The loss is read only when a line is
-printed: turning a logged tensor into a number waits for the device.
+printed: turning the step's loss tensor into a number waits for the device.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ProgressBar
 
 from core.errors import check_ranges
@@ -81,11 +82,13 @@ class StepProgress(ProgressBar):
         self.step_started, self.paused = now, 0.0
         step = trainer.global_step
         last = step >= self.total
+        # Lightning hands back the loss divided by the accumulation steps; a tensor, read only if a line is printed
+        loss = outputs["loss"] * run_plan_of(pl_module).accumulation
         if self.terminal and (last or now - self.drawn_at >= REFRESH_SECONDS):
-            self.write(f"{self.step_line(trainer, now)}{CLEAR_TO_END}\r")  # the cursor stays at the line's start
+            self.write(f"{self.step_line(trainer, loss, now)}{CLEAR_TO_END}\r")  # the cursor stays at the line's start
             self.drawn_at, self.line_open = now, True
         elif not self.terminal and (last or step % self.every == 0):
-            self.write(f"{self.step_line(trainer, now)}\n")
+            self.write(f"{self.step_line(trainer, loss, now)}\n")
 
     def time_step(self, seconds: float) -> None:
         self.steps_timed += 1
@@ -94,14 +97,13 @@ class StepProgress(ProgressBar):
         previous = self.seconds_per_step
         self.seconds_per_step = seconds if previous is None else SMOOTHING * seconds + (1 - SMOOTHING) * previous
 
-    def step_line(self, trainer: L.Trainer, now: float) -> str:
+    def step_line(self, trainer: L.Trainer, loss: torch.Tensor, now: float) -> str:
+        """The step's loss (its last micro-batch's, as logged) and learning rate (the scheduler steps after
+        on_train_batch_end), rate, elapsed time and ETA."""
         step = trainer.global_step
-        parts = [self.step_of_total(step)]
-        metrics = trainer.callback_metrics
-        if "train/loss" in metrics:
-            parts.append(f"loss {float(metrics['train/loss']):.4g}")
-        if "lr" in metrics:
-            parts.append(f"lr {float(metrics['lr']):.2e}")
+        parts = [self.step_of_total(step), f"loss {float(loss):.4g}"]
+        if trainer.optimizers:
+            parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.2e}")
         if self.seconds_per_step:
             parts.append(f"{self.tokens_per_step / self.seconds_per_step:,.0f} {self.unit}/s")
         parts.append(f"elapsed {format_duration(now - self.started)}")

@@ -30,11 +30,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
-from torch.distributed.tensor import DTensor
 
 from app.safety.checkpoints import RunCheckpoint, load_training_state
 from core.errors import UserError, check_ranges
 from core.run_plan import run_plan_of
+from models.module import CohortModule
+from models.parallelize import GradientNorms
 
 Action = Literal["stop", "skip", "rollback"]
 MIN_SPIKE_HISTORY = 20  # good steps seen before a z-score means anything
@@ -92,7 +93,7 @@ class BadStepGuard(Callback):
         scaled = grad_scaler(trainer) is not None
         finite = torch.isfinite(self._step_loss)
         if not scaled:
-            finite &= gradients_finite(optimizer).to(finite.device)
+            finite &= gradient_norms(pl_module, optimizer).finite_here().to(finite.device)
         report = torch.zeros(world + 1, device=finite.device)  # each rank's "bad" flag, then the summed losses
         report[rank] = (~finite).float()
         report[world] = torch.where(finite, self._step_loss, 0.0)
@@ -100,7 +101,9 @@ class BadStepGuard(Callback):
             dist.all_reduce(report)
         self._step_loss.zero_()
         bad_ranks = report[:world] > 0
-        bad = bad_ranks.any() | self._spike(report[world] / world, bad_ranks.any(), trainer.global_step)
+        bad = bad_ranks.any()
+        if self.spike_zscore is not None:
+            bad = bad | self._spike(report[world] / world, bad, trainer.global_step)
         # under the grad scaler, which sets found_inf itself, a non-finite loss leaves non-finite gradients it skips
         if not scaled and getattr(optimizer, "_step_supports_amp_scaling", False):
             optimizer.found_inf = bad.float()  # torch's fused Adam/AdamW skip the whole update on this flag
@@ -110,8 +113,6 @@ class BadStepGuard(Callback):
 
     def _spike(self, loss: torch.Tensor, bad: torch.Tensor, step: int) -> torch.Tensor:
         """Whether ``loss`` lies ``spike_zscore`` deviations above the recent good losses; a good loss joins them."""
-        if self.spike_zscore is None:
-            return torch.zeros((), dtype=torch.bool, device=loss.device)
         # masked sums rather than indexing out the empty slots: a data-dependent shape would make the host wait
         filled = ~torch.isnan(self._recent_losses)
         count = filled.sum()
@@ -195,13 +196,13 @@ def grad_scaler(trainer: L.Trainer) -> torch.amp.GradScaler | None:
     return getattr(trainer.precision_plugin, "scaler", None)
 
 
-def gradients_finite(optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    """Whether this rank's gradients (its shards, if sharded) are all finite, as one device tensor."""
-    grads = [param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-             for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
-    if not grads:
-        return torch.ones((), dtype=torch.bool)
-    return torch.isfinite(torch.nn.utils.get_total_norm(grads))
+def gradient_norms(pl_module: L.LightningModule, optimizer: torch.optim.Optimizer) -> GradientNorms:
+    """The step's gradient norms: a Cohort family's, which clipping reads again (one pass over the gradients), or
+    taken here for any other LightningModule."""
+    if isinstance(pl_module, CohortModule):
+        return pl_module.gradient_norms(optimizer)
+    return GradientNorms(param.grad for group in optimizer.param_groups for param in group["params"]
+                         if param.grad is not None)
 
 
 def copy_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

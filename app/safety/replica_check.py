@@ -28,6 +28,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
 from core.errors import UserError, check_ranges
+from models.parallelize import shards_data_parallel
 
 # the integer type of each element size: a tensor's bits, summed exactly (integer sums wrap, in any order alike)
 BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -152,16 +153,20 @@ def differing_slices(everyone: list[dict[SliceKey, tuple[int, int]]]) -> list[tu
 
 def check_network_is_parallelized(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
     """Under ModelParallelStrategy (FSDP2, tensor parallel) and the pipeline on several processes, a UserError unless
-    the network was built sharded (every parameter a DTensor) and, under the pipeline, split into stages."""
+    the network was built sharded (every parameter a DTensor) or, under the pipeline, split into stages (plain tensors
+    where one stage is all a rank holds of the network: models/parallelize.py shards_data_parallel)."""
     strategy = trainer.strategy
     if not isinstance(strategy, ModelParallelStrategy) or trainer.world_size < 2:
         return
     family = type(pl_module).__name__
+    pipelined = getattr(strategy, "pipeline_parallel_size", 1) > 1
+    if pipelined and getattr(pl_module, "pipeline", None) is None:
+        raise UserError(f"{family} built no pipeline stages, so every rank would run the whole network: give it "
+                        "build_pipeline, or train it without pipeline stages")
+    if not shards_data_parallel(strategy.device_mesh, pipeline_stage=pipelined):
+        return
     plain = [name for name, param in pl_module.named_parameters() if not isinstance(param, DTensor)]
     if plain:
         raise UserError(f"{family}'s network was not sharded over the {trainer.world_size} processes ({plain[0]} and "
                         f"{len(plain) - 1} more are whole on every rank), so each rank would train a replica of its "
                         "own: let Cohort build it (no configure_model of the family's own), or train it with DDP")
-    if getattr(strategy, "pipeline_parallel_size", 1) > 1 and getattr(pl_module, "pipeline", None) is None:
-        raise UserError(f"{family} built no pipeline stages, so every rank would run the whole network: give it "
-                        "build_pipeline, or train it without pipeline stages")

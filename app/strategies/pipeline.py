@@ -1,6 +1,6 @@
 """Lightning has no pipeline-parallel strategy (Lightning-AI/pytorch-lightning#17180), so Cohort adds the one
-thing ModelParallelStrategy lacks for it: a third mesh dimension, and a reader of one-file checkpoints that
-gives each stage its own part. Everything else (process groups, placement, FSDP2 and tensor parallelism over the
+thing ModelParallelStrategy lacks for it: a third mesh dimension, and readers of one-file checkpoints and of
+folders into stages of plain tensors (one data-parallel rank) that give each stage its own part. Everything else (process groups, placement, FSDP2 and tensor parallelism over the
 inner dimensions, sharded checkpoints) is ModelParallelStrategy's; the stages and the schedule are built by the
 model (models/pipeline.py) from the run plan."""
 
@@ -12,17 +12,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import init_device_mesh
 
+from app.safety.checkpoints import META_FILE
 from core.errors import UserError
+from models.parallelize import shards_data_parallel
 
 
 class PipelineParallelStrategy(ModelParallelStrategy):
@@ -93,8 +97,10 @@ class PipelineParallelStrategy(ModelParallelStrategy):
         the order of rank 0's stage: the ranks of another stage would wait for their own weights and get rank 0's.)
         Returns the rest of the checkpoint, as ModelParallelStrategy's does."""
         path = Path(self.broadcast(checkpoint_path))
-        if path.is_dir():
+        if path.is_dir() and shards_data_parallel(self.device_mesh, pipeline_stage=True):
             return super().load_checkpoint(path, weights_only)
+        if path.is_dir():
+            return self.load_plain_stage(path, weights_only)
         checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
         stage, weights = self.lightning_module, checkpoint.pop("state_dict")
         options = StateDictOptions(full_state_dict=True, strict=stage.strict_loading)
@@ -103,3 +109,18 @@ class PipelineParallelStrategy(ModelParallelStrategy):
         for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
             set_optimizer_state_dict(stage, optimizer, state, options=options)  # takes this stage's names
         return checkpoint
+
+    def load_plain_stage(self, folder: Path, weights_only: bool | None) -> dict[str, Any]:
+        """A sharded checkpoint folder read into a stage of plain tensors (one data- and one tensor-parallel rank:
+        models/parallelize.py shards_data_parallel), which Lightning's reader refuses for holding no DTensor. Each
+        rank reads its own stage's weights and optimizer state only; returns the rest of the checkpoint."""
+        stage = self.lightning_module
+        weights = {"state_dict": get_model_state_dict(stage)}
+        dcp.load(weights, checkpoint_id=folder)
+        stage.load_state_dict(weights["state_dict"], strict=stage.strict_loading)
+        for index, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{index}"  # as ModelParallelStrategy writes them
+            state = {key: get_optimizer_state_dict(stage, optimizer)}
+            dcp.load(state, checkpoint_id=folder)
+            set_optimizer_state_dict(stage, optimizer, state[key])
+        return torch.load(folder / META_FILE, weights_only=weights_only)
