@@ -9,7 +9,8 @@ odd repeats): the host's slow drifts in speed then hit both sides alike. A step 
 gets the turn to the end of its optimizer step, so waiting, startup and the final checkpoint are not counted, and
 the first ``--warmup-steps`` steps are dropped. Same work on both sides: the same corpus (100 stdlib files,
 byte-level), model, initial weights, sample order, AdamW groups, LR schedule, clipping and accumulation, fp32 on
-one CPU process; the per-micro-batch losses of both sides are printed and compared.
+one CPU process (``--accelerator gpu``: bf16-mixed on one GPU, each step timed until the device is done); the
+per-micro-batch losses of both sides are printed and compared.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ CORPUS_FILES = 100  # stdlib files in the benchmark corpus: about 13k windows of
 QUIET_LOAD = 0.2  # a step is "quiet" when other processes used less than this many cores during it
 KINDS = ("plain", "lightning")
 SEED = 1337  # the app's DEFAULT_SEED: seed_everything before the model is built, and the sampler's seed
+PRECISION = {"cpu": "32-true", "gpu": "bf16-mixed"}  # what each side trains in, by accelerator
 LEARNING_RATE, WEIGHT_DECAY, LR_WARMUP_STEPS = 3e-3, 0.1, 10  # as in configs/quickstart.yaml (shorter warmup)
 
 
@@ -84,6 +86,8 @@ class StepTimer(Callback):
         self.losses.append(outputs["loss"].item() * trainer.accumulate_grad_batches)
         if trainer.global_step != self._last_step:  # an optimizer step (and the LR scheduler's) just happened
             self._last_step = trainer.global_step
+            if pl_module.device.type == "cuda":  # the step ends when the device is done with it
+                torch.cuda.synchronize()
             self.turns.step_done()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -109,13 +113,16 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
     from models.optimizer import warmup_cosine_schedule, weight_decay_groups
 
     # what GPTLanguageModel.configure_model builds: the same weights from the same seed
-    model = build_gpt(gpt_config(args.model, vocab_size=256, dropout=0.0), torch.device("cpu"), seed=SEED)
+    device = torch.device("cuda" if args.accelerator == "gpu" else "cpu")
+    model = build_gpt(gpt_config(args.model, vocab_size=256, dropout=0.0), device, seed=SEED)
+    # bf16-mixed on a GPU: matrix products in bfloat16 under autocast, as Lightning's MixedPrecision runs them
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     model.train()
     dataset = TokenWindows(Path(args.data_dir) / "train.bin", args.sequence_length, 256)
     plan = RunPlan(devices_per_node=1, num_nodes=1, data_parallel_size=1, tensor_parallel_size=1,
                    global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                    sequence_length=args.sequence_length,
-                   precision=PRECISIONS["32-true"], seed=SEED)  # as the CLI resolves it
+                   precision=PRECISIONS[PRECISION[args.accelerator]], seed=SEED)  # as the CLI resolves it
     sampler = GlobalBatchSampler(len(dataset), plan, data_parallel_rank=0)
     loader = DataLoader(dataset, sampler=sampler, batch_size=args.micro_batch_size, num_workers=0)
     # the two groups of GPTLanguageModel.configure_optimizers (no decay on biases, norms and embeddings), fused
@@ -132,8 +139,9 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
     turns.step_done()  # wait for the first turn
     for _ in range(total_steps):
         for _ in range(accumulation):
-            inputs, targets = next(batches)
-            loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+            inputs, targets = (tensor.to(device) for tensor in next(batches))
+            with autocast:
+                loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
             scaled = loss / accumulation  # as Lightning's closure scales it
             scaled.backward()
             losses.append(scaled.item() * accumulation)
@@ -141,6 +149,8 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         turns.step_done()
     return {"steps": turns.steps, "losses": losses, "threads": torch.get_num_threads()}
 
@@ -152,7 +162,8 @@ def command(kind: str, args: argparse.Namespace, folder: Path) -> list[str]:
                 "--worker", str(folder), "--data-dir", args.data_dir]
     return [
         python, "-m", "app", "fit", "--seed_everything", str(SEED),
-        "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.precision", "32-true",
+        "--trainer.accelerator", args.accelerator, "--trainer.devices", "1",
+        "--trainer.precision", PRECISION[args.accelerator],
         "--trainer.max_steps", str(args.warmup_steps + args.steps), "--trainer.gradient_clip_val", "1.0",
         "--trainer.limit_val_batches", "0",  # no validation
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
@@ -267,6 +278,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--global-batch-size", type=int, default=32)
     parser.add_argument("--micro-batch-size", type=int, default=16)
     parser.add_argument("--sequence-length", type=int, default=128)
+    parser.add_argument("--accelerator", choices=sorted(PRECISION), default="cpu",
+                        help="cpu (32-true) or gpu (bf16-mixed, one device; each step ends when the device is done)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads on both sides")
     parser.add_argument("--log-every-n-steps", type=int, default=10, help="Lightning's logging cadence")
     parser.add_argument("--save-json", type=Path, help="also write every run's raw step samples and losses here")

@@ -11,8 +11,9 @@
   micro-batches under every schedule (the m it accepts), against its theory (models/pipeline.py
   theoretical_bubble), side by side in one run. Goals: within 0.05 once a pipeline micro-batch computes for a few
   ms; a zero-bubble schedule's below 1F1B's at the same m (issue #25).
-- speed: the time of one micro batch's forward and backward through the pipeline against the same on one
-  process, and where the pipeline's time goes (compute and waiting per rank).
+- speed: the time of one micro batch's forward and backward through the pipeline under each schedule (side by side
+  in one run) against the same on one process, and where the pipeline's time goes (compute and waiting per rank).
+  Goal (issue #25): pp=2 with m=8 at <= 0.60 x one process.
 
 Every number is a median over the timed steps that follow warm-up steps.
 """
@@ -200,16 +201,18 @@ def speed() -> None:
         F.cross_entropy(whole(inputs).flatten(0, 1), targets.flatten()).backward()
 
     one = statistics.median(timed_steps(one_process_step))
-    ranks = {rank: schedules["1F1B"] for rank, schedules in
-             spawn(pipeline_timing_on_rank, [plan_of("1F1B", microbatches, samples)]).items()}
-    pipelined = max(rank["step"] for rank in ranks.values())
-    print(f"speed: micro batch of {samples} x {TIMING_CONFIG.block_size} tokens, forward + backward, 1 thread per process")
-    print(f"  1 process {one * 1000:.0f} ms; pp=2 1F1B m={microbatches} {pipelined * 1000:.0f} ms: ratio "
-          f"{pipelined / one:.3f} (ideal with this bubble "
-          f"{0.5 / (1 - theoretical_bubble(plan_of('1F1B', microbatches, samples))):.3f})")
-    for rank, timing in sorted(ranks.items()):
-        print(f"  rank {rank}: computes {timing['busy'] * 1000:.0f} ms, idle {(pipelined - timing['busy']) * 1000:.0f} ms "
-              f"of the pipeline's {pipelined * 1000:.0f} ms")
+    plans = [plan_of(schedule, microbatches, samples) for schedule in PIPELINE_SCHEDULES]
+    ranks = spawn(pipeline_timing_on_rank, plans)
+    print(f"speed: micro batch of {samples} x {TIMING_CONFIG.block_size} tokens, forward + backward, 1 thread per "
+          f"process; 1 process {one * 1000:.0f} ms; pp=2 with m={microbatches}, the schedules side by side:")
+    for plan in plans:
+        schedule = plan.pipeline_schedule
+        pipelined = max(ranks[rank][schedule]["step"] for rank in ranks)
+        busy = [ranks[rank][schedule]["busy"] for rank in sorted(ranks)]
+        print(f"  {schedule:>21}: {pipelined * 1000:.0f} ms, ratio {pipelined / one:.3f} (ideal with its bubble "
+              f"{0.5 / (1 - theoretical_bubble(plan)):.3f}); ranks compute "
+              + ", ".join(f"{seconds * 1000:.0f}" for seconds in busy) + " ms, idle "
+              + ", ".join(f"{(pipelined - seconds) * 1000:.0f}" for seconds in busy) + " ms")
 
 
 PARTS = {"memory": memory, "bubble": bubble, "speed": speed}
