@@ -224,8 +224,9 @@ class CohortModule(L.LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """A stop asked for in the callbacks' on_train_batch_end (a preemption signal) makes the logger write this
-        step too: its values, not the last logged step's, which Lightning would write again."""
-        if self.step_metrics and self.trainer._logger_connector.should_update_logs:
+        step too: its values, not the last logged step's, which Lightning would write again. (Logged from this hook
+        only then: the run ends here, so these values come last and are the ones written.)"""
+        if self.step_metrics and self.trainer.should_stop:
             self.log_step_metrics()
 
     def log_step_metrics(self) -> None:

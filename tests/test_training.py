@@ -6,9 +6,12 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import (
@@ -38,6 +41,34 @@ def test_single_process_fit_logs_to_tensorboard(single_process_run: Path) -> Non
     assert perplexity[-1] == pytest.approx(torch.tensor(val_loss[-1]).exp().item(), rel=1e-5)
     assert (log_dir / "hparams.yaml").read_text().count("model_name: debug") == 1
     assert (log_dir / "checkpoints" / "last.ckpt").is_file()
+
+
+class StopAtStep(Callback):
+    """Asks the run to stop after optimizer step ``step``, as a preemption signal does."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize(("stop_at", "logged_steps"), [(2, [2]), (7, [5, 7]), (10, [5, 10])])
+def test_a_steps_values_are_logged_on_the_loggers_steps_and_where_a_callback_stops(
+        stop_at: int, logged_steps: list[int], tmp_path: Path, debug_run_args: list[str]) -> None:
+    """Every 5 steps, and at the step a callback stops the run (Lightning writes that step too), with that step's
+    values, not the last logged step's again."""
+    run = fit_in_process(tmp_path, debug_run_args, "--trainer.max_steps", "20", "--trainer.log_every_n_steps", "5",
+                         "--trainer.gradient_clip_val", "1.0", "--trainer.limit_val_batches", "0",
+                         "--trainer.callbacks+=tests.test_training.StopAtStep", "--trainer.callbacks.step", str(stop_at))
+    events = EventAccumulator(str(run / "lightning_logs" / "version_0"), size_guidance={"scalars": 0})
+    events.Reload()
+    for tag in ("train/loss", "train/grad_norm", "lr"):
+        points = events.Scalars(tag)
+        assert [point.step + 1 for point in points] == logged_steps, tag  # Lightning's x: steps taken before
+        assert len({point.value for point in points}) == len(points), (tag, points)  # no stale value again
 
 
 def test_ddp_two_processes_match_one_process(tmp_path: Path, comparable_run_args: list[str],
