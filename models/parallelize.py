@@ -84,7 +84,7 @@ def shards_data_parallel(device_mesh: DeviceMesh | None, pipeline_stage: bool) -
     """Whether FSDP2 wraps the network on ``device_mesh``: always over several data-parallel ranks, and over one too
     (making every parameter a DTensor), except for a pipeline stage on a mesh of one data- and one tensor-parallel
     rank. There it would shard over one rank, and its hooks and gradient copies around every pipeline micro-batch
-    cost about a fifth of the stage's compute on CPU (benchmarks/RESULTS.md, pipeline speed). Under tensor
+    cost about 3 % of the stage's compute on CPU (benchmarks/RESULTS.md, pipeline speed). Under tensor
     parallelism the stage keeps it, so that the optimizer's fused step never meets DTensors and plain tensors
     together."""
     if device_mesh is None:

@@ -1,8 +1,9 @@
 """Lightning has no pipeline-parallel strategy (Lightning-AI/pytorch-lightning#17180), so Cohort adds the one
 thing ModelParallelStrategy lacks for it: a third mesh dimension, and readers of one-file checkpoints and of
-folders into stages of plain tensors (one data-parallel rank) that give each stage its own part. Everything else (process groups, placement, FSDP2 and tensor parallelism over the
-inner dimensions, sharded checkpoints) is ModelParallelStrategy's; the stages and the schedule are built by the
-model (models/pipeline.py) from the run plan."""
+folders into stages of plain tensors (one data-parallel rank) that give each stage its own part. Everything else
+(process groups, placement, FSDP2 and tensor parallelism over the inner dimensions, sharded checkpoints) is
+ModelParallelStrategy's; the stages and the schedule are built by the model (models/pipeline.py) from the run
+plan."""
 
 from __future__ import annotations
 
