@@ -82,13 +82,13 @@ class StepProgress(ProgressBar):
         self.step_started, self.paused = now, 0.0
         step = trainer.global_step
         last = step >= self.total
-        # Lightning hands back the loss divided by the accumulation steps; a tensor, read only if a line is printed
-        loss = outputs["loss"] * run_plan_of(pl_module).accumulation
+        # Lightning hands back the loss divided by the accumulation steps (a tensor: read only if a line is printed)
+        loss = outputs["loss"]
         if self.terminal and (last or now - self.drawn_at >= REFRESH_SECONDS):
-            self.write(f"{self.step_line(trainer, loss, now)}{CLEAR_TO_END}\r")  # the cursor stays at the line's start
+            self.write(f"{self.step_line(trainer, pl_module, loss, now)}{CLEAR_TO_END}\r")  # the cursor stays put
             self.drawn_at, self.line_open = now, True
         elif not self.terminal and (last or step % self.every == 0):
-            self.write(f"{self.step_line(trainer, loss, now)}\n")
+            self.write(f"{self.step_line(trainer, pl_module, loss, now)}\n")
 
     def time_step(self, seconds: float) -> None:
         self.steps_timed += 1
@@ -97,11 +97,12 @@ class StepProgress(ProgressBar):
         previous = self.seconds_per_step
         self.seconds_per_step = seconds if previous is None else SMOOTHING * seconds + (1 - SMOOTHING) * previous
 
-    def step_line(self, trainer: L.Trainer, loss: torch.Tensor, now: float) -> str:
-        """The step's loss (its last micro-batch's, as logged) and learning rate (the scheduler steps after
-        on_train_batch_end), rate, elapsed time and ETA."""
+    def step_line(self, trainer: L.Trainer, pl_module: L.LightningModule, scaled_loss: torch.Tensor, now: float) -> str:
+        """The step's loss (its last micro-batch's, as logged; ``scaled_loss`` is it divided by the accumulation)
+        and learning rate (the scheduler steps after on_train_batch_end), rate, elapsed time and ETA."""
         step = trainer.global_step
-        parts = [self.step_of_total(step), f"loss {float(loss):.4g}"]
+        loss = float(scaled_loss) * run_plan_of(pl_module).accumulation
+        parts = [self.step_of_total(step), f"loss {loss:.4g}"]
         if trainer.optimizers:
             parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.2e}")
         if self.seconds_per_step:
