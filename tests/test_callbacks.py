@@ -12,7 +12,7 @@ import torch.distributed.distributed_c10d
 
 from app.observability.flight_recorder import NcclFlightRecorder
 from app.safety.checkpoints import replace_path
-from app.safety.determinism import PerRankSeed
+from app.safety.determinism import PerRankSeed, SameThreadsOnEveryRank
 from core.precision import PRECISIONS
 from core.run_plan import RunPlan
 
@@ -41,6 +41,23 @@ def write_checkpoint(path: Path, sharded: bool, step: int) -> None:
 
 def read_step(path: Path) -> int:
     return int((path / "meta.pt" if path.is_dir() else path).read_text())
+
+
+@pytest.mark.parametrize("omp_threads_over_cpus", [None, 1])
+def test_the_thread_count_is_set_only_where_it_differs(monkeypatch: pytest.MonkeyPatch,
+                                                        omp_threads_over_cpus: int | None) -> None:
+    """Setting torch's count, even to the one it has, turns MKL's dynamic threading off and slows CPU training
+    (benchmarks/RESULTS.md): one process with every CPU already has the count it needs."""
+    cpus = len(os.sched_getaffinity(0))
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cpus)  # torch's default: every CPU
+    if omp_threads_over_cpus is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", str(cpus + omp_threads_over_cpus))
+    SameThreadsOnEveryRank().setup(SimpleNamespace(num_devices=1), None, "fit")
+    assert calls == ([] if omp_threads_over_cpus is None else [cpus + omp_threads_over_cpus])
 
 
 def test_a_new_checkpoint_replaces_the_old_one_whole_file_or_folder(tmp_path: Path) -> None:

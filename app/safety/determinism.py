@@ -24,7 +24,11 @@ class SameThreadsOnEveryRank(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         given = os.environ.get("OMP_NUM_THREADS", "")
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(int(given) if given.isdigit() and int(given) > 0 else max(1, cpus // trainer.num_devices))
+        wanted = int(given) if given.isdigit() and int(given) > 0 else max(1, cpus // trainer.num_devices)
+        # only if it differs: at::set_num_threads also turns MKL's dynamic threading off, which made a small GPT's
+        # backward 2 % slower on 2 cores even at the count it already had (benchmarks/RESULTS.md)
+        if torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)
 
 
 class PerRankSeed(Callback):
