@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from app.safety import cpu_group_over_every_rank
+
 
 @dataclass
 class PendingSave:
@@ -90,8 +92,7 @@ class BackgroundWriter:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         if trainer.world_size > 1:  # a parameter server's ranks save alone: its world size is 1 once they have met
             self._write_group = dist.new_group(backend="gloo")
-            gloo = dist.get_backend() == "gloo"
-            self._agreement_group = dist.group.WORLD if gloo else dist.new_group(backend="gloo")
+            self._agreement_group = cpu_group_over_every_rank()
 
     def agree(self, trainer: L.Trainer, written_here: bool, error_number: int) -> tuple[bool, int]:
         """Whether every rank's write is over, and the worst error number of all ranks (0: all succeeded). A CPU

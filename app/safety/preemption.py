@@ -34,6 +34,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
+from app.safety import cpu_group_over_every_rank
 from core.errors import check_ranges
 from core.run_plan import run_plan_of
 
@@ -68,11 +69,9 @@ class PreemptionCheckpoint(Callback):
         signal.set_wakeup_fd(self._wakeup.fileno())
         threading.Thread(target=self._end_after_grace, args=(heard, trainer.is_global_zero), daemon=True,
                          name="preemption-grace").start()
-        # the flag travels through a CPU (gloo) group: on NCCL a GPU tensor read back every step would stall the
-        # device queue once per step
         self._group = None  # an asynchronous run's ranks stop on their own word (app/strategies/parameter_server/)
         if dist.is_available() and dist.is_initialized() and not run_plan_of(trainer.lightning_module).asynchronous:
-            self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+            self._group = cpu_group_over_every_rank()
         then = "requeue the job" if self.requeue and "SLURM_JOB_ID" in os.environ else "stop"
         rank_zero_info(f"preemption: {self.requeue_signal.name} will checkpoint at the next step and {then}; "
                        f"{self.stop_signal.name} will checkpoint and stop")
