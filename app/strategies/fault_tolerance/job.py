@@ -39,11 +39,6 @@ JOB_FINISHED = "job_finished"  # the store's key once a group has trained to the
 LIGHTHOUSE_START_SECONDS = 30.0
 
 
-def restarted() -> bool:
-    """Whether torchrun restarted this process after it died (its restart count; app/cli/launch.py reads the same)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-
-
 def replica_group() -> int | None:
     """This process's replica group in a fault-tolerant job; None in the process that starts the job, or elsewhere."""
     group = os.environ.get(REPLICA_GROUP_ENV)

@@ -52,13 +52,13 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed import TCPStore
 from torch.distributed._serialization import _streaming_load
 
+from app.cli.launch import torchrun_restart
 from app.strategies.fault_tolerance.job import (
     JOB_FINISHED,
     ReplicaGroupsLauncher,
     check_lighthouse_answers,
     job_store,
     replica_group,
-    restarted,
     wait_for_every_group,
 )
 from core.errors import UserError
@@ -98,7 +98,7 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         self.quorum_seconds = 0.0  # spent waiting for quorums (and recoveries) since the start
         self._training_loader = ResumableDataLoader([])  # the training stream, from process_dataloader on
         self.job_store: TCPStore | None = None  # the job's, where groups count in at the start and the end
-        self._rejoined = not restarted()  # a restarted group has rejoined once it has a live group's state
+        self._rejoined = not torchrun_restart()  # a restarted group has rejoined once it has a live group's state
         self._store: TCPStore | None = None
 
     @property
@@ -154,7 +154,7 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         )
         self.manager.load_state_dict(self.committed_steps.restored)
         self.job_store = job_store(self.timeout)
-        if self.job_store is not None and not restarted():
+        if self.job_store is not None and not torchrun_restart():
             wait_for_every_group(self.job_store, self.replica_groups, self.timeout)
 
     def process_dataloader(self, dataloader: object) -> object:
