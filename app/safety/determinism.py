@@ -26,7 +26,7 @@ class SameThreadsOnEveryRank(Callback):
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         wanted = int(given) if given.isdigit() and int(given) > 0 else max(1, cpus // trainer.num_devices)
         # only if it differs: at::set_num_threads also turns MKL's dynamic threading off, which made one process's
-        # step 2 % (small GPT) to 10 % (debug GPT) slower on 2 cores, at the count it already had (benchmarks/RESULTS.md)
+        # step 2 % (small GPT) to 10 % (debug GPT) slower on 2 cores at the count it had (benchmarks/RESULTS.md)
         if torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
 
