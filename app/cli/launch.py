@@ -57,11 +57,6 @@ def join_process_group(launch: Launch, device: torch.device, timeout: timedelta 
         dist.init_process_group("gloo", rank=launch.rank, world_size=launch.world_size, timeout=timeout)
 
 
-def torchrun_restart() -> int:
-    """How many times torchrun has restarted this job's ranks after a failure (0: the first attempt, or no torchrun)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-
-
 def parent_start_time() -> float:
     """When this process's parent started, in seconds since the epoch; for torchrun's ranks the parent is its agent,
     which lives as long as the job. Linux's /proc counts a process's start in clock ticks after boot."""

@@ -39,6 +39,12 @@ JOB_FINISHED = "job_finished"  # the store's key once a group has trained to the
 LIGHTHOUSE_START_SECONDS = 30.0
 
 
+def torchrun_restart() -> int:
+    """How many times torchrun has restarted this job's ranks after a failure (0: the first attempt, or no torchrun);
+    the CLI reads it too, to continue a restarted job's run."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
 def replica_group() -> int | None:
     """This process's replica group in a fault-tolerant job; None in the process that starts the job, or elsewhere."""
     group = os.environ.get(REPLICA_GROUP_ENV)

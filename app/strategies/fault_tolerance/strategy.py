@@ -52,13 +52,13 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed import TCPStore
 from torch.distributed._serialization import _streaming_load
 
-from app.cli.launch import torchrun_restart
 from app.strategies.fault_tolerance.job import (
     JOB_FINISHED,
     ReplicaGroupsLauncher,
     check_lighthouse_answers,
     job_store,
     replica_group,
+    torchrun_restart,
     wait_for_every_group,
 )
 from core.errors import UserError
