@@ -6,6 +6,7 @@ are tests/test_gpu.py; what only a device can run, and why, is listed in docs/un
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,7 +30,7 @@ from app.strategies.fault_tolerance import job
 from app.strategies.fault_tolerance.job import ReplicaGroupsLauncher
 from app.strategies.fault_tolerance.strategy import FaultTolerantStrategy
 from app.tools import comm
-from app.tools.doctor import DoctorCLI
+from app.tools.doctor import DoctorCLI, check_memory, instantiate_family
 from app.tools.memory import visible_device_memory
 from core.errors import UserError
 from core.seeding import derive_seed
@@ -163,8 +164,6 @@ FLIGHT_RECORDER_SETTINGS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"
 
 def test_the_flight_recorder_is_set_before_nccl_starts_and_dumps_into_the_run(tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
     for name in FLIGHT_RECORDER_SETTINGS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "500")  # the user's own setting wins
@@ -312,8 +311,19 @@ def test_adamw_is_fused_on_gpus() -> None:
         assert optimizer.defaults["fused"] is fused
 
 
-def test_the_visible_gpus_memory_is_read_from_its_properties(device_calls: list) -> None:
-    assert visible_device_memory() == GPU_MEMORY
+def test_the_doctor_checks_the_memory_estimate_against_the_visible_gpu(
+        device_calls: list, byte_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the estimate adds the CUDA context (1 GiB) and is checked against the GPU's own size."""
+    monkeypatch.chdir(tmp_path)
+    cli = DoctorCLI(["-c", str(QUICKSTART), "-c", str(TRAINER / "gpu_bf16.yaml"), "--data.data_dir", str(byte_corpus)])
+    plan = Preflight(cli.config, None).run()
+    _, model, problems = instantiate_family(cli.config)
+    assert problems == [] and visible_device_memory() == GPU_MEMORY
+    check = check_memory(cli.config, model, plan)
+    assert check.status == "pass" and "CUDA context 1.0" in check.detail and "of 80.0 GiB: fits" in check.detail
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**30))
+    check = check_memory(cli.config, model, plan)
+    assert check.status == "fail" and "of 1.0 GiB: does not fit" in check.detail
 
 
 # ----- fault-tolerant replica groups on GPUs -----
@@ -329,3 +339,44 @@ def test_a_replica_group_runs_on_the_gpu_its_torchrun_was_given(tmp_path: Path, 
     assert strategy.root_device == torch.device("cpu")
     strategy.accelerator = CUDAAccelerator()
     assert strategy.root_device == torch.device("cuda", 0)  # the one GPU CUDA_VISIBLE_DEVICES left it
+
+
+def test_replica_groups_on_gpus_average_over_nccl_within_the_strategys_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group's setup on its GPU: torchft's NCCL process group (which needs torch built with NCCL, so recorded
+    here), its non-blocking waits bounded by the same timeout, handed to the manager."""
+    import torchft.manager
+    import torchft.process_group
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from app.strategies.fault_tolerance import strategy as strategy_module
+
+    made: dict[str, Any] = {}
+
+    class RecordedNcclGroup:
+        def __init__(self, timeout: timedelta) -> None:
+            made["timeout"] = timeout
+
+    class RecordedManager:
+        def __init__(self, **options: Any) -> None:
+            made["manager"] = options
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            made["restored"] = state
+
+    monkeypatch.setattr(torchft.process_group, "ProcessGroupNCCL", RecordedNcclGroup)
+    monkeypatch.setattr(torchft.manager, "Manager", RecordedManager)
+    monkeypatch.setattr(SingleDeviceStrategy, "setup", lambda self, trainer: None)
+    monkeypatch.setattr(strategy_module, "check_lighthouse_answers", lambda address, wait: None)
+    monkeypatch.setattr(strategy_module, "weights_only_http_transport", lambda timeout: "transport")
+    monkeypatch.setattr(strategy_module, "job_store", lambda timeout: None)
+    monkeypatch.setenv(job.REPLICA_GROUP_ENV, "1")
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lighthouse:29510")
+    monkeypatch.delenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", raising=False)
+    strategy = FaultTolerantStrategy(timeout=timedelta(seconds=45))
+    strategy.accelerator = CUDAAccelerator()
+    strategy.committed_steps = SimpleNamespace(restored={"committed_steps": 3})
+    strategy.setup(None)
+    assert made["timeout"] == timedelta(seconds=45)
+    assert os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "45.0"
+    assert isinstance(made["manager"]["pg"], RecordedNcclGroup)
+    assert made["manager"]["replica_id"] == "replica_group_1" and made["restored"] == {"committed_steps": 3}
