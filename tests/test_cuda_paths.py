@@ -233,6 +233,24 @@ def test_the_loss_spike_guard_is_refused_under_the_grad_scaler() -> None:
     BadStepGuard().setup(trainer, None, "fit")  # NaN and inf alone: the scaler's skips and the guard's agree
 
 
+@pytest.mark.parametrize("loss", [2.5, float("nan")])
+def test_under_the_grad_scaler_the_guard_leaves_the_skip_to_the_scaler(loss: float) -> None:
+    """The scaler sets the fused step's found_inf from the gradients it unscales; the guard only reports (a NaN loss
+    leaves NaN gradients, which the scaler skips), and reads no gradient norms (scaled ones would overflow)."""
+    network = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.AdamW(network.parameters(), fused=True)
+    module = SimpleNamespace(run_plan=SimpleNamespace(asynchronous=False), device=torch.device("cpu"))
+    trainer = SimpleNamespace(precision_plugin=SimpleNamespace(scaler=torch.amp.GradScaler("cpu")), world_size=1,
+                              global_rank=0, global_step=4, lightning_module=module)
+    guard = BadStepGuard(action="skip")
+    guard.on_train_start(trainer, module)
+    guard.on_before_backward(trainer, module, torch.tensor(loss))
+    guard.on_before_optimizer_step(trainer, module, optimizer)  # no gradients at all: the guard must not ask
+    assert not hasattr(optimizer, "found_inf")
+    [(step, verdict, copied)] = guard._unread
+    assert (step, verdict.tolist(), copied) == (5, [loss != loss, loss != loss], None)
+
+
 # ----- CUDA events and streams -----
 class RecordedEvent:
     """torch.cuda.Event as the host sees it: each record 250 ms after the previous one."""
