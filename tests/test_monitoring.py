@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -24,7 +25,8 @@ from core.precision import PRECISIONS, precision_named
 from core.run_plan import RunPlan
 from models.gpt import GPT_CONFIGS, training_flops_per_token
 from models.language_model import GPTLanguageModel
-from tests.helpers import DDP_2, QUIET, REPO_ROOT, batch_sizes, free_port, run_cohort, scalars
+from tests.helpers import (DDP_2, QUIET, REPO_ROOT, batch_sizes, fit_in_process, free_port, last_checkpoint_contents,
+                           run_cohort, scalars)
 
 
 def monitored_fit(tmp_path: Path, args: list[str], *extra: str) -> subprocess.CompletedProcess:
@@ -108,6 +110,74 @@ def test_tensorboard_layout_charts_every_rank_and_hparams_carry_the_final_val_lo
     assert session.hparams["model_name"].string_value == "debug"
     val_loss = scalars(run_dir, "val/loss")
     assert len(val_loss) == 2 and scalars(run_dir, "hp_metric")[-1] == pytest.approx(val_loss[-1])
+
+
+class FakeCudaEvent:
+    """torch.cuda.Event on a CPU: each one recorded is 10 ms after the one before."""
+
+    recorded = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.milliseconds = 0.0
+
+    def record(self) -> None:
+        FakeCudaEvent.recorded += 1
+        self.milliseconds = 10.0 * FakeCudaEvent.recorded
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, later: FakeCudaEvent) -> float:
+        return later.milliseconds - self.milliseconds
+
+
+@pytest.fixture
+def monitor_on_a_fake_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The monitor of a run on this CPU believes it runs on an H100 holding 3 GiB at peak (4 GiB reserved): while
+    it starts, the strategy's root_device reads cuda:0, and the CUDA calls it makes answer as a GPU would. The rest of
+    the run sees the CPU it trains on."""
+    on_train_start = RankMonitor.on_train_start
+
+    def on_train_start_on_a_gpu(monitor: RankMonitor, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        cpu_strategy_class = type(strategy)
+        strategy.__class__ = type("OnAGpu", (cpu_strategy_class,),
+                                  {"root_device": property(lambda _: torch.device("cuda", 0))})
+        try:
+            on_train_start(monitor, trainer, pl_module)
+        finally:
+            strategy.__class__ = cpu_strategy_class
+
+    monkeypatch.setattr(RankMonitor, "on_train_start", on_train_start_on_a_gpu)
+    monkeypatch.setattr(torch.cuda, "Event", FakeCudaEvent)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 4 * 2**30)
+
+
+@pytest.mark.usefixtures("monitor_on_a_fake_gpu")
+def test_a_gpu_run_logs_its_cuda_memory_and_ends_with_its_summary_and_final_checkpoint(
+        tmp_path: Path, debug_run_args: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    """The monitor's GPU path, on a CPU: 4 steps in windows of 2, no checkpoint but the final one."""
+    with caplog.at_level(logging.INFO):
+        fit_in_process(tmp_path, debug_run_args, "--trainer.max_steps", "4", "--monitor.every_n_steps", "2",
+                       "--checkpoint.every_n_train_steps", "1000", "--trainer.limit_val_batches", "0",
+                       *batch_sizes(8, 4))
+    for field, gib in (("cuda_peak_allocated_gib", 3.0), ("cuda_peak_reserved_gib", 4.0)):
+        for statistic in ("rank0", "min", "median", "max"):
+            assert scalars(tmp_path, f"monitor/{field}/{statistic}") == [gib, gib], (field, statistic)
+    assert scalars(tmp_path, "monitor/compute_s/rank0") == pytest.approx([0.02, 0.02])  # 2 micro-batches of 10 ms
+    assert "(data sheet)" in caplog.text
+    assert re.search(r"CUDA peak allocated, largest rank +3\.00 GiB", caplog.text), caplog.text
+    assert re.search(r"CUDA peak reserved, largest rank +4\.00 GiB", caplog.text), caplog.text
+    assert last_checkpoint_contents(tmp_path)["global_step"] == 4
+    events = EventAccumulator(str(tmp_path / "lightning_logs" / "version_0"), size_guidance={"tensors": 0})
+    events.Reload()
+    layout = layout_pb2.Layout.FromString(events.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    titles = [chart.title for category in layout.category for chart in category.chart]
+    assert "CUDA memory, peak allocated (GiB) — every rank" in titles
+    assert "CUDA memory, peak reserved (GiB) — min, median, max" in titles
 
 
 def reporting_monitor(world_size: int, **options: float) -> tuple[RankMonitor, SimpleNamespace, dict[str, float]]:
