@@ -29,6 +29,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.distributed.tensor import DTensor
 
 from app.__main__ import main
+from app.observability.monitor import RankMonitor
 from app.safety import checkpoints
 from app.safety.checkpoints import consolidate
 from tests.processes import REPO_ROOT, run_cohort
@@ -577,6 +578,37 @@ class SlowRankByFactor(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.previous_seconds = time.perf_counter() - self.start - self.slept
+
+
+class ScriptedStepTimes(Callback):
+    """The monitor's clock (RankMonitor.clock) made a script, so that a test decides from timings it gives, which a
+    busy machine cannot move: on rank R each micro-batch computes ``compute_seconds[R]``, and in the optimizer step's
+    gradient all-reduce every rank waits until the slowest has computed all of its micro-batches, as under DDP. Time
+    moves only here. The CLI puts the monitor after the configured callbacks, so these hooks run before the monitor's:
+    the compute falls between the micro-batch's start and its end, the wait between the last gradient bucket and
+    the end of backward, where the monitor times sync wait."""
+
+    def __init__(self, compute_seconds: list[float]) -> None:
+        self.compute_seconds = compute_seconds
+        self.now = 0.0
+        self.batch_idx = 0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        for callback in trainer.callbacks:
+            if isinstance(callback, RankMonitor):
+                callback.clock = lambda: self.now
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.batch_idx = batch_idx
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        self.now += self.compute_seconds[trainer.global_rank]
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        accumulation = trainer.accumulate_grad_batches
+        if (self.batch_idx + 1) % accumulation == 0:  # this backward all-reduced the gradients
+            lag = max(self.compute_seconds) - self.compute_seconds[trainer.global_rank]
+            self.now += lag * accumulation
 
 
 class SignalAllThenHang(Callback):
