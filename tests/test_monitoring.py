@@ -85,7 +85,8 @@ def slowed_run(tmp_path_factory: pytest.TempPathFactory, debug_run_args: list[st
 def test_a_rank_slowed_twofold_is_named_with_what_it_costs(slowed_run: tuple[Path, str]) -> None:
     run_dir, output = slowed_run
     alerts = [line for line in output.splitlines() if "straggler:" in line]
-    assert len(alerts) == 1 and f"straggler: rank 1 on {os.uname().nodename} computes 40.000 s/step" in alerts[0], alerts
+    assert len(alerts) == 1, alerts
+    assert f"straggler: rank 1 on {os.uname().nodename} computes 40.000 s/step" in alerts[0], alerts[0]
     assert "(2.0x)" in alerts[0], alerts[0]
     assert re.search(r"the others wait \d+\.\d{3} s/step for it \(\d+% of the step\)", alerts[0]), alerts[0]
     assert scalars(run_dir, "monitor/straggler_events") == [0, 1, 1, 1]  # at the 2nd slow window in a row, once
