@@ -32,6 +32,7 @@ from app.__main__ import main
 from app.observability.monitor import RankMonitor
 from app.safety import checkpoints
 from app.safety.checkpoints import consolidate
+from app.strategies.fault_tolerance.job import torchrun_restart
 from tests.processes import REPO_ROOT, run_cohort
 
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -681,6 +682,39 @@ class KillReplicaGroup(KillRank):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if os.environ.get("COHORT_REPLICA_GROUP") == str(self.group):
             super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+
+class RejoinMidRun(Callback):
+    """Brings a killed replica group back mid-run whatever the machine's speed, where a sleep per step had to outlast
+    a restart: its restarted process waits until the other groups have trained a step without it, and they wait at
+    ``step`` until its restarted process has started. Each side leaves a file in ``folder`` for the other."""
+
+    def __init__(self, folder: str, group: int, step: int) -> None:
+        self.went_on = Path(folder) / f"went_on_without_group_{group}"
+        self.restarted = Path(folder) / f"group_{group}_restarted"
+        self.group = group
+        self.step = step
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if os.environ.get("COHORT_REPLICA_GROUP") == str(self.group) and torchrun_restart() > 0:
+            wait_for_file(self.went_on)
+            self.restarted.touch()
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if os.environ.get("COHORT_REPLICA_GROUP") == str(self.group):
+            return
+        if trainer.strategy.manager.num_participants() < trainer.strategy.replica_groups:  # this step's quorum
+            self.went_on.touch()
+        if trainer.global_step == self.step:
+            wait_for_file(self.restarted)
+
+
+def wait_for_file(path: Path) -> None:
+    deadline = time.monotonic() + 120  # a wait that never ends fails the run instead of hanging the suite
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited 120 s for {path}")
+        time.sleep(0.05)
 
 
 class SignalJobAtStep(Callback):
