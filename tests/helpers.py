@@ -32,6 +32,7 @@ from app.__main__ import main
 from app.observability.monitor import RankMonitor
 from app.safety import checkpoints
 from app.safety.checkpoints import consolidate
+from app.safety.preemption import preemption_callback
 from app.strategies.fault_tolerance.job import torchrun_restart
 from tests.processes import REPO_ROOT, run_cohort
 
@@ -697,7 +698,7 @@ class RejoinMidRun(Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if os.environ.get("COHORT_REPLICA_GROUP") == str(self.group) and torchrun_restart() > 0:
-            wait_for_file(self.went_on)
+            wait_until(self.went_on.exists, f"{self.went_on.name} in {self.went_on.parent}")
             self.restarted.touch()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -706,20 +707,23 @@ class RejoinMidRun(Callback):
         if trainer.strategy.manager.num_participants() < trainer.strategy.replica_groups:  # this step's quorum
             self.went_on.touch()
         if trainer.global_step == self.step:
-            wait_for_file(self.restarted)
+            wait_until(self.restarted.exists, f"{self.restarted.name} in {self.restarted.parent}")
 
 
-def wait_for_file(path: Path) -> None:
-    deadline = time.monotonic() + 120  # a wait that never ends fails the run instead of hanging the suite
-    while not path.exists():
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Polls ``condition`` until it holds; after 120 s it fails the run instead of hanging the suite."""
+    deadline = time.monotonic() + 120
+    while not condition():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"waited 120 s for {path}")
+            raise TimeoutError(f"waited 120 s for {what}")
         time.sleep(0.05)
 
 
 class SignalJobAtStep(Callback):
     """SIGTERM to the ``cohort fit`` that started a fault-tolerant job, from replica group 0 at ``step``, as a
-    scheduler stopping the job would: the group's process was started by torchrun's agent, which ``cohort`` started."""
+    scheduler stopping the job would: the group's process was started by torchrun's agent, which ``cohort`` started.
+    Every group then holds at the next step until the signal has reached it, so that none trains on to the end
+    whatever the machine's speed."""
 
     def __init__(self, step: int) -> None:
         self.step = step
@@ -729,6 +733,10 @@ class SignalJobAtStep(Callback):
             agent_status = Path(f"/proc/{os.getppid()}/stat").read_text()
             job = int(agent_status.rsplit(")", 1)[1].split()[1])  # the field after the state: the parent's pid
             os.kill(job, signal.SIGTERM)
+        if trainer.global_step == self.step + 1:
+            preemption = preemption_callback(trainer)
+            group = os.environ["COHORT_REPLICA_GROUP"]
+            wait_until(lambda: preemption.requested != 0, f"SIGTERM to reach replica group {group}")
 
 
 class KillLighthouseAtStep(Callback):
