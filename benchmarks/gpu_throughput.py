@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from app.observability.fields import CUDA_PEAK_ALLOCATED
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRAINER = REPO_ROOT / "configs" / "trainer"
 PRESETS = {
@@ -45,7 +47,7 @@ def window_medians(log_dir: Path) -> dict[str, float]:
     events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     events.Reload()
     medians = {}
-    for tag in ("throughput/tokens_per_second", "throughput/mfu", "monitor/cuda_peak_allocated_gib/max"):
+    for tag in ("throughput/tokens_per_second", "throughput/mfu", CUDA_PEAK_ALLOCATED.tag("max")):
         if tag in events.Tags()["scalars"]:
             values = [event.value for event in events.Scalars(tag)]
             medians[tag] = statistics.median(values[1:] if len(values) > 1 else values)
@@ -94,9 +96,10 @@ def main() -> None:
           f"{args.sequence_length} tokens per step, {args.steps} steps, medians of the windows after the first")
     for strategy, numbers in results.items():
         mfu = numbers.get("throughput/mfu")
-        memory = numbers.get("monitor/cuda_peak_allocated_gib/max", 0.0)
+        memory = numbers.get(CUDA_PEAK_ALLOCATED.tag("max"))
         print(f"  {strategy:15} {numbers['throughput/tokens_per_second']:12,.0f} tokens/s   MFU "
-              f"{f'{mfu:.1%}' if mfu is not None else 'n/a'}   CUDA peak {memory:.1f} GiB")
+              f"{f'{mfu:.1%}' if mfu is not None else 'n/a'}   CUDA peak "
+              f"{f'{memory:.1f} GiB' if memory is not None else 'n/a (not logged)'}")
     if args.save_json:
         args.save_json.write_text(json.dumps(results, indent=2))
 

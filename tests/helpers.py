@@ -29,8 +29,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.distributed.tensor import DTensor
 
 from app.__main__ import main
+from app.observability.monitor import RankMonitor
 from app.safety import checkpoints
 from app.safety.checkpoints import consolidate
+from app.safety.preemption import preemption_callback
+from app.strategies.fault_tolerance.job import torchrun_restart
 from tests.processes import REPO_ROOT, run_cohort
 
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -579,6 +582,37 @@ class SlowRankByFactor(Callback):
         self.previous_seconds = time.perf_counter() - self.start - self.slept
 
 
+class ScriptedStepTimes(Callback):
+    """The monitor's clock (RankMonitor.clock) made a script, so that a test decides from timings it gives, which a
+    busy machine cannot move: on rank R each micro-batch computes ``compute_seconds[R]``, and in the optimizer step's
+    gradient all-reduce every rank waits until the slowest has computed all of its micro-batches, as under DDP. Time
+    moves only here. The CLI puts the monitor after the configured callbacks, so these hooks run before the monitor's:
+    the compute falls between the micro-batch's start and its end, the wait between the last gradient bucket and
+    the end of backward, where the monitor times sync wait."""
+
+    def __init__(self, compute_seconds: list[float]) -> None:
+        self.compute_seconds = compute_seconds
+        self.now = 0.0
+        self.batch_idx = 0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        for callback in trainer.callbacks:
+            if isinstance(callback, RankMonitor):
+                callback.clock = lambda: self.now
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.batch_idx = batch_idx
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        self.now += self.compute_seconds[trainer.global_rank]
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        accumulation = trainer.accumulate_grad_batches
+        if (self.batch_idx + 1) % accumulation == 0:  # this backward all-reduced the gradients
+            lag = max(self.compute_seconds) - self.compute_seconds[trainer.global_rank]
+            self.now += lag * accumulation
+
+
 class SignalAllThenHang(Callback):
     """One rank sends a signal to every rank (its process group), as Kubernetes does, then hangs inside its step, as
     a rank stuck on a broken device would: the others wait for it in the step's gradient all-reduce."""
@@ -651,9 +685,45 @@ class KillReplicaGroup(KillRank):
             super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
 
+class RejoinMidRun(Callback):
+    """Brings a killed replica group back mid-run whatever the machine's speed, where a sleep per step had to outlast
+    a restart: its restarted process waits until the other groups have trained a step without it, and they wait at
+    ``step`` until its restarted process has started. Each side leaves a file in ``folder`` for the other."""
+
+    def __init__(self, folder: str, group: int, step: int) -> None:
+        self.went_on = Path(folder) / f"went_on_without_group_{group}"
+        self.restarted = Path(folder) / f"group_{group}_restarted"
+        self.group = group
+        self.step = step
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if os.environ.get("COHORT_REPLICA_GROUP") == str(self.group) and torchrun_restart() > 0:
+            wait_until(self.went_on.exists, f"{self.went_on.name} in {self.went_on.parent}")
+            self.restarted.touch()
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if os.environ.get("COHORT_REPLICA_GROUP") == str(self.group):
+            return
+        if trainer.strategy.manager.num_participants() < trainer.strategy.replica_groups:  # this step's quorum
+            self.went_on.touch()
+        if trainer.global_step == self.step:
+            wait_until(self.restarted.exists, f"{self.restarted.name} in {self.restarted.parent}")
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Polls ``condition`` until it holds; after 120 s it fails the run instead of hanging the suite."""
+    deadline = time.monotonic() + 120
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited 120 s for {what}")
+        time.sleep(0.05)
+
+
 class SignalJobAtStep(Callback):
     """SIGTERM to the ``cohort fit`` that started a fault-tolerant job, from replica group 0 at ``step``, as a
-    scheduler stopping the job would: the group's process was started by torchrun's agent, which ``cohort`` started."""
+    scheduler stopping the job would: the group's process was started by torchrun's agent, which ``cohort`` started.
+    Every group then holds at the next step until the signal has reached it, so that none trains on to the end
+    whatever the machine's speed."""
 
     def __init__(self, step: int) -> None:
         self.step = step
@@ -663,6 +733,10 @@ class SignalJobAtStep(Callback):
             agent_status = Path(f"/proc/{os.getppid()}/stat").read_text()
             job = int(agent_status.rsplit(")", 1)[1].split()[1])  # the field after the state: the parent's pid
             os.kill(job, signal.SIGTERM)
+        if trainer.global_step == self.step + 1:
+            preemption = preemption_callback(trainer)
+            group = os.environ["COHORT_REPLICA_GROUP"]
+            wait_until(lambda: preemption.requested != 0, f"SIGTERM to reach replica group {group}")
 
 
 class KillLighthouseAtStep(Callback):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import logging
 import os
 import re
@@ -11,12 +12,14 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 
+from app.observability.fields import FIELDS
 from app.observability.flops import measured_peak_tflops, peak_tflops_per_device
 from app.observability.monitor import RankMonitor
 from app.observability.verdicts import median_of_others
@@ -24,16 +27,25 @@ from core.precision import PRECISIONS, precision_named
 from core.run_plan import RunPlan
 from models.gpt import GPT_CONFIGS, training_flops_per_token
 from models.language_model import GPTLanguageModel
-from tests.helpers import DDP_2, QUIET, REPO_ROOT, batch_sizes, free_port, run_cohort, scalars
+from tests.helpers import (DDP_2, QUIET, REPO_ROOT, batch_sizes, fit_in_process, free_port, last_checkpoint_contents,
+                           run_cohort, scalars)
 
 
-def monitored_fit(tmp_path: Path, args: list[str], *extra: str) -> subprocess.CompletedProcess:
+def monitored_fit(tmp_path: Path, args: list[str], *extra: str,
+                  compute_seconds: tuple[float, float] = (10.0, 10.0)) -> subprocess.CompletedProcess:
+    """8 steps on 2 processes in windows of 2, a straggler after 2 slow windows; each micro-batch of rank R computes
+    ``compute_seconds[R]`` on the monitor's clock (tests.helpers.ScriptedStepTimes), 2 micro-batches a step."""
     return run_cohort(["fit", *args, *QUIET, *DDP_2, "--trainer.max_steps", "8", "--monitor.every_n_steps", "2",
-                       "--monitor.straggler_windows", "2", *batch_sizes(8, 2), *extra], cwd=tmp_path)
+                       "--monitor.straggler_windows", "2", *batch_sizes(8, 2),
+                       "--trainer.callbacks+=tests.helpers.ScriptedStepTimes",
+                       f"--trainer.callbacks.compute_seconds=[{compute_seconds[0]}, {compute_seconds[1]}]", *extra],
+                      cwd=tmp_path)
 
 
 @pytest.mark.slow
 def test_balanced_run_logs_every_rank_and_raises_no_alarm(tmp_path: Path, debug_run_args: list[str]) -> None:
+    """Both ranks compute 10 s per micro-batch: 20 s per step, no sync wait, no straggler. The real data wait, some
+    milliseconds a step, is all that the machine adds."""
     result = monitored_fit(tmp_path, debug_run_args)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "straggler:" not in result.stderr + result.stdout
@@ -45,11 +57,13 @@ def test_balanced_run_logs_every_rank_and_raises_no_alarm(tmp_path: Path, debug_
     assert {"throughput/tokens_per_second", "throughput/tflops", "monitor/straggler_events",
             "monitor/straggler_cost_share"} <= tags
     assert not any("cuda" in tag or "pipeline" in tag for tag in tags)  # no series of zeros on a CPU DDP run
-    assert len(events.Scalars("monitor/compute_s/rank1")) == 4  # 8 steps in windows of 2
-    steps = [e.value for e in events.Scalars("monitor/step_s/median")]
-    parts = [sum(events.Scalars(f"monitor/{f}/median")[i].value for f in ("data_wait_s", "compute_s", "sync_wait_s"))
-             for i in range(4)]
-    assert all(0 < part <= step * 1.05 for part, step in zip(parts, steps))  # the split fits inside the step
+    for rank in (0, 1):  # 8 steps in windows of 2
+        assert scalars(tmp_path, f"monitor/compute_s/rank{rank}") == pytest.approx([20.0] * 4)
+        assert scalars(tmp_path, f"monitor/step_s/rank{rank}") == pytest.approx([20.0] * 4)
+        assert scalars(tmp_path, f"monitor/sync_wait_s/rank{rank}") == [0.0] * 4
+    assert scalars(tmp_path, "monitor/straggler_events") == [0] * 4
+    assert scalars(tmp_path, "monitor/slowest_rank_ratio") == [1.0] * 4
+    assert max(scalars(tmp_path, "monitor/straggler_cost_share")) < 0.01  # the data waits' difference alone
     console = result.stderr + result.stdout
     assert "run summary" in console and "(matmul probe at start)" in console  # an MFU on CPUs too
     assert "throughput/mfu" in tags
@@ -58,12 +72,11 @@ def test_balanced_run_logs_every_rank_and_raises_no_alarm(tmp_path: Path, debug_
 
 @pytest.fixture(scope="module")
 def slowed_run(tmp_path_factory: pytest.TempPathFactory, debug_run_args: list[str]) -> tuple[Path, str]:
-    """One 2-process run with rank 1 slowed 2x: 4 windows of 10 steps (long enough to average out a shared machine's
-    noise), a straggler after 2 slow windows, validation at steps 20 and 40. Its folder and its console output."""
+    """One 2-process run in which rank 1 computes 20 s per micro-batch and rank 0 10 s, so rank 0 waits 20 s of each
+    40 s step in the all-reduce: a straggler after 2 slow windows, validation at steps 4 and 8. Its folder and its
+    console output."""
     run_dir = tmp_path_factory.mktemp("slowed")
-    result = monitored_fit(run_dir, debug_run_args, "--trainer.max_steps", "40", "--monitor.every_n_steps", "10",
-                           "--val_every_n_steps", "20", "--trainer.callbacks+=tests.helpers.SlowRankByFactor",
-                           "--trainer.callbacks.rank=1", "--trainer.callbacks.factor=2")
+    result = monitored_fit(run_dir, debug_run_args, "--val_every_n_steps", "4", compute_seconds=(10.0, 20.0))
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir, result.stderr + result.stdout
 
@@ -72,13 +85,16 @@ def slowed_run(tmp_path_factory: pytest.TempPathFactory, debug_run_args: list[st
 def test_a_rank_slowed_twofold_is_named_with_what_it_costs(slowed_run: tuple[Path, str]) -> None:
     run_dir, output = slowed_run
     alerts = [line for line in output.splitlines() if "straggler:" in line]
-    assert len(alerts) == 1 and f"straggler: rank 1 on {os.uname().nodename}" in alerts[0], alerts
-    assert re.search(r"the others wait \d\.\d{3} s/step for it \(\d+% of the step\)", alerts[0]), alerts[0]
+    assert len(alerts) == 1, alerts
+    assert f"straggler: rank 1 on {os.uname().nodename} computes 40.000 s/step" in alerts[0], alerts[0]
+    assert "(2.0x)" in alerts[0], alerts[0]
+    assert re.search(r"the others wait \d+\.\d{3} s/step for it \(\d+% of the step\)", alerts[0]), alerts[0]
     assert scalars(run_dir, "monitor/straggler_events") == [0, 1, 1, 1]  # at the 2nd slow window in a row, once
-    assert min(scalars(run_dir, "monitor/slowest_rank_ratio")) > 1.5
-    # rank 0 computes about half of rank 1's step and waits for the rest
-    shares = scalars(run_dir, "monitor/straggler_cost_share")
-    assert all(0.2 < share < 0.7 for share in shares), shares
+    assert scalars(run_dir, "monitor/slowest_rank_ratio") == pytest.approx([2.0] * 4)
+    assert scalars(run_dir, "monitor/sync_wait_s/rank0") == pytest.approx([20.0] * 4)  # waiting for rank 1
+    assert scalars(run_dir, "monitor/sync_wait_s/rank1") == [0.0] * 4
+    # rank 0 waits 20 s of the 40 s step for rank 1; the real data waits move that by their milliseconds
+    assert scalars(run_dir, "monitor/straggler_cost_share") == pytest.approx([0.5] * 4, abs=0.01)
     assert re.search(r"waiting for the slowest rank +\d+\.\d% of the step", output)
 
 
@@ -110,6 +126,74 @@ def test_tensorboard_layout_charts_every_rank_and_hparams_carry_the_final_val_lo
     assert len(val_loss) == 2 and scalars(run_dir, "hp_metric")[-1] == pytest.approx(val_loss[-1])
 
 
+class FakeCudaEvent:
+    """torch.cuda.Event on a CPU: each one recorded is 10 ms after the one before."""
+
+    recorded = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.milliseconds = 0.0
+
+    def record(self) -> None:
+        FakeCudaEvent.recorded += 1
+        self.milliseconds = 10.0 * FakeCudaEvent.recorded
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, later: FakeCudaEvent) -> float:
+        return later.milliseconds - self.milliseconds
+
+
+@pytest.fixture
+def monitor_on_a_fake_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The monitor of a run on this CPU believes it runs on an H100 holding 3 GiB at peak (4 GiB reserved): while
+    it starts, the strategy's root_device reads cuda:0, and the CUDA calls it makes answer as a GPU would. The rest of
+    the run sees the CPU it trains on."""
+    on_train_start = RankMonitor.on_train_start
+
+    def on_train_start_on_a_gpu(monitor: RankMonitor, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        cpu_strategy_class = type(strategy)
+        strategy.__class__ = type("OnAGpu", (cpu_strategy_class,),
+                                  {"root_device": property(lambda _: torch.device("cuda", 0))})
+        try:
+            on_train_start(monitor, trainer, pl_module)
+        finally:
+            strategy.__class__ = cpu_strategy_class
+
+    monkeypatch.setattr(RankMonitor, "on_train_start", on_train_start_on_a_gpu)
+    monkeypatch.setattr(torch.cuda, "Event", FakeCudaEvent)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 4 * 2**30)
+
+
+@pytest.mark.usefixtures("monitor_on_a_fake_gpu")
+def test_a_gpu_run_logs_its_cuda_memory_and_ends_with_its_summary_and_final_checkpoint(
+        tmp_path: Path, debug_run_args: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    """The monitor's GPU path, on a CPU: 4 steps in windows of 2, no checkpoint but the final one."""
+    with caplog.at_level(logging.INFO):
+        fit_in_process(tmp_path, debug_run_args, "--trainer.max_steps", "4", "--monitor.every_n_steps", "2",
+                       "--checkpoint.every_n_train_steps", "1000", "--trainer.limit_val_batches", "0",
+                       *batch_sizes(8, 4))
+    for field, gib in (("cuda_peak_allocated_gib", 3.0), ("cuda_peak_reserved_gib", 4.0)):
+        for statistic in ("rank0", "min", "median", "max"):
+            assert scalars(tmp_path, f"monitor/{field}/{statistic}") == [gib, gib], (field, statistic)
+    assert scalars(tmp_path, "monitor/compute_s/rank0") == pytest.approx([0.02, 0.02])  # 2 micro-batches of 10 ms
+    assert "(data sheet)" in caplog.text
+    assert re.search(r"CUDA peak allocated, largest rank +3\.00 GiB", caplog.text), caplog.text
+    assert re.search(r"CUDA peak reserved, largest rank +4\.00 GiB", caplog.text), caplog.text
+    assert last_checkpoint_contents(tmp_path)["global_step"] == 4
+    events = EventAccumulator(str(tmp_path / "lightning_logs" / "version_0"), size_guidance={"tensors": 0})
+    events.Reload()
+    layout = layout_pb2.Layout.FromString(events.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    titles = [chart.title for category in layout.category for chart in category.chart]
+    assert "CUDA memory, peak allocated (GiB) — every rank" in titles
+    assert "CUDA memory, peak reserved (GiB) — min, median, max" in titles
+
+
 def reporting_monitor(world_size: int, **options: float) -> tuple[RankMonitor, SimpleNamespace, dict[str, float]]:
     """A monitor whose _report runs without a run: global batch 32 x 128 tokens, 1 GFLOP per token, a 100 TFLOP/s
     peak; the dict holds what it logged last."""
@@ -126,9 +210,9 @@ def reporting_monitor(world_size: int, **options: float) -> tuple[RankMonitor, S
 
 
 def window(compute: list[float]) -> dict[str, object]:
-    """A window's gathered table: the given compute per rank, 0.02 s data wait and a 0.5 s step on every rank."""
-    per_rank = {name: [0.1] * len(compute) for name in ("sync_wait_s", "loss", "loss_std", "host_rss_gib",
-                                                        "cuda_peak_allocated_gib", "cuda_peak_reserved_gib")}
+    """A window's gathered table: the given compute per rank; 0.02 s data wait, a 0.5 s step and 0.1 in every other
+    field on every rank."""
+    per_rank = {field.name: [0.1] * len(compute) for field in FIELDS}
     return {**per_rank, "compute_s": compute, "data_wait_s": [0.02] * len(compute), "step_s": [0.5] * len(compute),
             "losses_per_rank": 4}
 
@@ -198,9 +282,12 @@ def test_flop_count_matches_a_hand_computed_case() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_probe_measures_a_plausible_peak(dtype: torch.dtype) -> None:
-    """Between 1 GFLOP/s and 100 TFLOP/s for one CPU: a wrong FLOP count or clock would miss by orders of magnitude."""
-    assert 1e-3 < measured_peak_tflops(torch.device("cpu"), dtype, seconds=0.05) < 100
+def test_the_probe_counts_its_matmuls_against_its_clock(dtype: torch.dtype) -> None:
+    """A clock that moves 0.25 s at each reading: 4 timed matmuls of 512 x 512 fill the probe's second, each
+    2 x 512^3 FLOPs."""
+    readings = itertools.count(1)
+    tflops = measured_peak_tflops(torch.device("cpu"), dtype, seconds=1.0, clock=lambda: next(readings) * 0.25)
+    assert tflops == 4 * 2 * 512**3 / 1.0 / 1e12
 
 
 def test_peak_table_covers_a100_h100_h200_and_not_cpus() -> None:

@@ -8,6 +8,7 @@ the GPT family checks the count against the standard formula (models/gpt.py ``tr
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -35,19 +36,20 @@ def peak_tflops_per_device(device_name: str, compute_dtype: torch.dtype) -> floa
     return None
 
 
-def measured_peak_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 0.2) -> float:
+def measured_peak_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 0.2,
+                         clock: Callable[[], float] = time.perf_counter) -> float:
     """The matmul TFLOP/s this device reaches now in ``dtype`` (the precision's compute dtype): square matmuls,
-    repeated for about ``seconds`` after one to warm up. The peak for MFU where the table has none (a CPU, an
-    unlisted GPU)."""
+    repeated for about ``seconds`` of ``clock`` after one to warm up. The peak for MFU where the table has none (a
+    CPU, an unlisted GPU)."""
     size = 4096 if device.type == "cuda" else 512
     a, b = torch.randn(size, size, device=device, dtype=dtype), torch.randn(size, size, device=device, dtype=dtype)
     a @ b  # warm-up: kernel selection, thread pools
-    count, start = 0, time.perf_counter()
+    count, start = 0, clock()
     while True:
         a @ b
         count += 1
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         if elapsed >= seconds:
             return 2 * size**3 * count / elapsed / 1e12

@@ -34,6 +34,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
+from app.observability.fields import (COMPUTE, CUDA_PEAK_ALLOCATED, CUDA_PEAK_RESERVED, DATA_WAIT, FIELDS, HOST_RSS,
+                                      LOSS, LOSS_STD, PIPELINE_COMPUTE, PIPELINE_WAIT, STEP, SYNC_WAIT, logged_fields)
 from app.observability.flops import measured_peak_tflops, peak_tflops_per_device
 from app.observability.tensorboard_layout import log_final_val_loss, write_layout
 from app.observability.verdicts import DataWaitWatch, StragglerWatch, loss_departures
@@ -41,11 +43,6 @@ from core.errors import check_ranges
 from core.run_plan import run_plan_of
 from models.pipeline import theoretical_bubble
 
-# One row per rank per window; the names are also the TensorBoard tags under monitor/.
-FIELDS = ("data_wait_s", "compute_s", "sync_wait_s", "step_s", "pipeline_compute_s", "pipeline_wait_s", "loss",
-          "loss_std", "host_rss_gib", "cuda_peak_allocated_gib", "cuda_peak_reserved_gib")
-PIPELINE_FIELDS = ("pipeline_compute_s", "pipeline_wait_s")  # logged under a pipeline only
-PER_STEP_FIELDS = ("data_wait_s", "compute_s", "sync_wait_s", "step_s")
 GIB = 2**30
 
 
@@ -76,11 +73,11 @@ class AnnouncesSyncs(Protocol):
 
 
 class Marker:
-    """A point in time: a CUDA event on GPUs (read later, without stalling the stream), else perf_counter."""
+    """A point in time: a CUDA event on GPUs (read later, without stalling the stream), else the monitor's clock."""
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, cuda: bool, clock: Callable[[], float]) -> None:
         self.event = torch.cuda.Event(enable_timing=True) if cuda else None
-        self.time = 0.0 if cuda else time.perf_counter()
+        self.time = 0.0 if cuda else clock()
         if self.event is not None:
             self.event.record()
 
@@ -134,6 +131,10 @@ class RankMonitor(Callback):
         self._sync_measured = False  # set at train start: sync wait is timed (DDP on 2 ranks or more)
         self._pipeline: Any = None  # set at train start: the module's Pipeline (models/pipeline.py), if any
         self._cuda = False  # set at train start: the device is a GPU
+        self._fields = logged_fields(self._cuda, pipeline=False)  # set at train start: those this run logs
+        # seconds, for the step time and the markers off GPUs; tests give it timings of their own, which a busy
+        # machine cannot move
+        self.clock: Callable[[], float] = time.perf_counter
 
     # ----- setup -----
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -142,6 +143,7 @@ class RankMonitor(Callback):
         if self.every_n_steps is None:
             self.every_n_steps = trainer.log_every_n_steps
         self._cuda = trainer.strategy.root_device.type == "cuda"
+        self._fields = logged_fields(self._cuda, pipeline=self._pipeline is not None)
         self._plan = plan = run_plan_of(pl_module)
         # a "token" is a sample's unit of work: a token of text, or a whole image (sequence_length 1)
         self.flops_per_token = pl_module.flops_per_sample(plan.sequence_length) / plan.sequence_length
@@ -157,7 +159,7 @@ class RankMonitor(Callback):
         if dist.is_available() and dist.is_initialized():
             dist.all_gather_object(self.hosts, socket.gethostname())  # once per run
         self._sync_measured = self._register_sync_timer(trainer)
-        write_layout(trainer, self._cuda, pipeline=self._pipeline is not None)
+        write_layout(trainer, self._fields)
         self._reset_window()
 
     def _register_sync_timer(self, trainer: L.Trainer) -> bool:
@@ -177,19 +179,22 @@ class RankMonitor(Callback):
                 callback.sync_listeners.append(self._local_sync)
         return True
 
+    def _mark(self) -> Marker:
+        return Marker(self._cuda, self.clock)
+
     def _local_sync(self, starting: bool) -> None:
         if starting:
-            self._sync_start = Marker(self._cuda)
+            self._sync_start = self._mark()
         else:
-            self._local_syncs.append((self._sync_start, Marker(self._cuda)))
+            self._local_syncs.append((self._sync_start, self._mark()))
 
     def _bucket_ready(self, bucket: dist.GradBucket) -> None:
-        self._last_bucket_ready = Marker(self._cuda)
+        self._last_bucket_ready = self._mark()
 
     def _reset_window(self) -> None:
-        self._window = dict.fromkeys(("data_wait_s", "compute_s", "sync_wait_s"), 0.0)
+        self._compute = self._sync_wait = 0.0  # seconds in this window, summed over its micro-batches
         self._steps = 0
-        self._window_start = time.perf_counter()
+        self._window_start = self.clock()
         self._data_wait_at_start = self._loader_wait()
         self._paused = 0.0  # validation inside the window is not step time
         pipeline = self._pipeline
@@ -205,26 +210,26 @@ class RankMonitor(Callback):
         return getattr(self._trainer.train_dataloader, "wait_seconds", 0.0)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._pause_start = time.perf_counter()
+        self._pause_start = self.clock()
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # trainer.training is False inside validation, even during fit: the window exists only once fit trains
-        if not trainer.sanity_checking and hasattr(self, "_window"):
-            self._paused += time.perf_counter() - self._pause_start
+        if not trainer.sanity_checking and hasattr(self, "_window_start"):
+            self._paused += self.clock() - self._pause_start
 
     # ----- per micro-batch: markers only, nothing that stalls the device -----
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        self._batch_start = Marker(self._cuda)
+        self._batch_start = self._mark()
         self._last_bucket_ready: Marker | None = None
         self._after_backward: Marker | None = None
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._after_backward = Marker(self._cuda) if self._last_bucket_ready is not None else None
+        self._after_backward = self._mark() if self._last_bucket_ready is not None else None
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         bucket_ready = self._last_bucket_ready if self._sync_measured else None
-        self._micro_batches.append((self._batch_start, Marker(self._cuda), bucket_ready,
+        self._micro_batches.append((self._batch_start, self._mark(), bucket_ready,
                                     self._after_backward if bucket_ready is not None else None))
         # Lightning hands back the loss divided by the accumulation steps
         self._losses.append(outputs["loss"].detach() * self._plan.accumulation)
@@ -237,30 +242,33 @@ class RankMonitor(Callback):
     def _close_window(self, trainer: L.Trainer) -> None:
         for start, end, bucket_ready, after_backward in self._micro_batches:
             sync = bucket_ready.seconds_until(after_backward) if bucket_ready and after_backward else 0.0
-            self._window["compute_s"] += start.seconds_until(end) - sync
-            self._window["sync_wait_s"] += sync
+            self._compute += start.seconds_until(end) - sync
+            self._sync_wait += sync
         for start, end in self._local_syncs:
             sync = start.seconds_until(end)
-            self._window["compute_s"] -= sync
-            self._window["sync_wait_s"] += sync
-        self._window["data_wait_s"] = self._loader_wait() - self._data_wait_at_start
+            self._compute -= sync
+            self._sync_wait += sync
         pipeline_compute = pipeline_wait = 0.0
         if self._pipeline is not None:  # its waits on the other stages happened inside the step: idle, not compute
             pipeline_compute = self._pipeline.compute_seconds - self._pipeline_at_start[0]
             pipeline_wait = self._pipeline.schedule_seconds - self._pipeline_at_start[1] - pipeline_compute
-            self._window["compute_s"] -= pipeline_wait
+            self._compute -= pipeline_wait
         losses = torch.stack(self._losses).double()
-        row = torch.tensor([
-            *(self._window[f] / self._steps for f in ("data_wait_s", "compute_s", "sync_wait_s")),
-            (time.perf_counter() - self._window_start - self._paused) / self._steps,
-            pipeline_compute / self._steps, pipeline_wait / self._steps,
-            losses.mean().item(), losses.std().item() if len(losses) > 1 else 0.0,
-            host_rss_bytes() / GIB,
-            torch.cuda.max_memory_allocated() / GIB if self._cuda else 0.0,
-            torch.cuda.max_memory_reserved() / GIB if self._cuda else 0.0,
-        ], dtype=torch.float64)
+        window_seconds = {
+            DATA_WAIT: self._loader_wait() - self._data_wait_at_start, COMPUTE: self._compute,
+            SYNC_WAIT: self._sync_wait, STEP: self.clock() - self._window_start - self._paused,
+            PIPELINE_COMPUTE: pipeline_compute, PIPELINE_WAIT: pipeline_wait,
+        }
+        measured = {
+            **{field: seconds / self._steps for field, seconds in window_seconds.items()},
+            LOSS: losses.mean().item(), LOSS_STD: losses.std().item() if len(losses) > 1 else 0.0,
+            HOST_RSS: host_rss_bytes() / GIB,
+            CUDA_PEAK_ALLOCATED: torch.cuda.max_memory_allocated() / GIB if self._cuda else 0.0,
+            CUDA_PEAK_RESERVED: torch.cuda.max_memory_reserved() / GIB if self._cuda else 0.0,
+        }
+        row = torch.tensor([measured[field] for field in FIELDS], dtype=torch.float64)  # every field, on any device
         table = self._gather(trainer, row)  # (world_size, len(FIELDS))
-        window = {name: table[:, i].tolist() for i, name in enumerate(FIELDS)}
+        window: dict[str, Any] = {field.name: table[:, i].tolist() for i, field in enumerate(FIELDS)}
         window["losses_per_rank"] = len(losses)
         self._report(trainer, window)
         self._reset_window()
@@ -284,13 +292,11 @@ class RankMonitor(Callback):
             "throughput/tflops_per_device": tflops / trainer.world_size,
         }
         metrics["throughput/mfu"] = tflops / (self.peak * trainer.world_size)
-        for name in FIELDS[:-2]:
-            if (name in PIPELINE_FIELDS and self._pipeline is None) or (name.startswith("cuda") and not self._cuda):
-                continue  # series that would be all zeros on this run
-            values = window[name]
-            metrics.update({f"monitor/{name}/min": min(values), f"monitor/{name}/median": statistics.median(values),
-                            f"monitor/{name}/max": max(values)})
-            metrics.update({f"monitor/{name}/rank{rank}": value for rank, value in enumerate(values)})
+        for field in self._fields:
+            values = window[field.name]
+            metrics.update({field.tag("min"): min(values), field.tag("median"): statistics.median(values),
+                            field.tag("max"): max(values)})
+            metrics.update({field.tag(f"rank{rank}"): value for rank, value in enumerate(values)})
         if self._pipeline is not None:
             metrics.update(self._bubble(window))
         metrics.update(self.data_wait.judge(window, trainer.datamodule.num_workers))
@@ -305,8 +311,9 @@ class RankMonitor(Callback):
         """Each rank's measured pipeline bubble: the share of the pipeline's time (the longest time a rank spent in
         the schedule: the last stage's schedule returns while the first still runs its last backwards) in which
         the rank did not compute."""
-        span = max(compute + wait for compute, wait in zip(window["pipeline_compute_s"], window["pipeline_wait_s"]))
-        bubbles = [1 - compute / span if span > 0 else 0.0 for compute in window["pipeline_compute_s"]]
+        computes = window[PIPELINE_COMPUTE.name]
+        span = max(compute + wait for compute, wait in zip(computes, window[PIPELINE_WAIT.name]))
+        bubbles = [1 - compute / span if span > 0 else 0.0 for compute in computes]
         metrics = {f"monitor/pipeline_bubble/rank{rank}": bubble for rank, bubble in enumerate(bubbles)}
         metrics["monitor/pipeline_bubble/median"] = statistics.median(bubbles)
         metrics["monitor/pipeline_bubble_theory"] = theoretical_bubble(self._plan)
@@ -325,19 +332,20 @@ class RankMonitor(Callback):
             (f"{self._plan.unit}/s (all ranks)", f"{mean('throughput/tokens_per_second'):,.0f}"),
             ("TFLOP/s (all ranks)", f"{mean('throughput/tflops'):.3f}"),
             ("MFU", f"{mean('throughput/mfu'):.1%} of {self.peak:.3g} TFLOP/s per device ({self.peak_source})"),
-            ("step time, median rank", f"{mean('monitor/step_s/median'):.3f} s"),
-            ("data wait share, worst rank", f"{max(w['monitor/data_wait_share/max'] for w in self.summary):.1%}"),
-            ("host RSS, largest rank", f"{max(w['monitor/host_rss_gib/max'] for w in self.summary):.2f} GiB"),
+            ("step time, median rank", f"{mean(STEP.tag('median')):.3f} s"),
+        ]
+        if self._pipeline is not None:
+            rows.append(("pipeline bubble, median rank", f"{mean('monitor/pipeline_bubble/median'):.1%} of the "
+                         f"schedule (theory {last['monitor/pipeline_bubble_theory']:.1%})"))
+        worst_data_wait = max(window["monitor/data_wait_share/max"] for window in self.summary)
+        rows.append(("data wait share, worst rank", f"{worst_data_wait:.1%}"))
+        rows += [(field.summary, f"{max(w[field.tag('max')] for w in self.summary):.2f} GiB")
+                 for field in self._fields if field.summary]
+        rows += [
             ("straggler events", str(self.stragglers.events)),
             ("waiting for the slowest rank", f"{mean('monitor/straggler_cost_share'):.1%} of the step"
              if "monitor/straggler_cost_share" in last else "n/a (sync wait not timed)"),
         ]
-        if self._pipeline is not None:
-            rows.insert(4, ("pipeline bubble, median rank", f"{mean('monitor/pipeline_bubble/median'):.1%} of the "
-                            f"schedule (theory {last['monitor/pipeline_bubble_theory']:.1%})"))
-        if self._cuda:
-            rows.insert(6, ("CUDA peak allocated, largest rank",
-                            f"{max(w['monitor/cuda_peak_allocated_gib/max'] for w in self.summary):.2f} GiB"))
         width = max(len(name) for name, _ in rows)
         rank_zero_info("run summary (" + f"{len(self.summary)} windows of {self.every_n_steps} steps)\n"
                        + "\n".join(f"  {name:<{width}}  {value}" for name, value in rows))

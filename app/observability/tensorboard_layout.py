@@ -14,24 +14,23 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 
-# (chart title, monitor field): each gives "TITLE — every rank" and "TITLE — min, median, max"
-CHARTS = (("loss", "loss"), ("step time (s)", "step_s"), ("data wait (s)", "data_wait_s"),
-          ("compute (s)", "compute_s"), ("sync wait (s)", "sync_wait_s"), ("host memory (GiB)", "host_rss_gib"))
-CUDA_CHARTS = (("CUDA memory, peak allocated (GiB)", "cuda_peak_allocated_gib"),)
-PIPELINE_CHARTS = (("pipeline compute (s)", "pipeline_compute_s"), ("pipeline wait (s)", "pipeline_wait_s"))
+from app.observability.fields import PIPELINE_COMPUTE, WindowField
 
 
-def custom_scalars_layout(cuda: bool, pipeline: bool = False) -> dict[str, dict[str, list[Any]]]:
-    """The layout in ``SummaryWriter.add_custom_scalars``' form, {category: {chart title: [kind, tags]}}.
+def custom_scalars_layout(fields: tuple[WindowField, ...]) -> dict[str, dict[str, list[Any]]]:
+    """The layout of the monitor's ``fields`` that a run logs (app/observability/fields.py logged_fields) in
+    ``SummaryWriter.add_custom_scalars``' form, {category: {chart title: [kind, tags]}}: each charted field gives
+    "TITLE — every rank" and "TITLE — min, median, max".
 
     A multi-line chart's tags are regular expressions, matched from the start of a tag, so one covers every rank
     at any world size; a margin chart takes exactly three tags: the value, its lower and its upper bound.
     """
     charts: dict[str, list[Any]] = {}
-    for title, field in CHARTS + (CUDA_CHARTS if cuda else ()) + (PIPELINE_CHARTS if pipeline else ()):
-        charts[f"{title} — every rank"] = ["Multiline", [rf"monitor/{field}/rank\d+$"]]
-        charts[f"{title} — min, median, max"] = ["Margin", [f"monitor/{field}/{s}" for s in ("median", "min", "max")]]
-    if pipeline:  # the measured share beside the schedule's theory
+    for field in fields:
+        if field.chart is not None:
+            charts[f"{field.chart} — every rank"] = ["Multiline", [field.tag(r"rank\d+$")]]
+            charts[f"{field.chart} — min, median, max"] = ["Margin", [field.tag(s) for s in ("median", "min", "max")]]
+    if PIPELINE_COMPUTE in fields:  # the measured share beside the schedule's theory
         charts["pipeline bubble — every rank and theory"] = [
             "Multiline", [r"monitor/pipeline_bubble/rank\d+$", r"monitor/pipeline_bubble_theory$"]]
     return {"every rank": charts}
@@ -41,11 +40,12 @@ def tensorboard_loggers(trainer: L.Trainer) -> list[TensorBoardLogger]:
     return [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
 
 
-def write_layout(trainer: L.Trainer, cuda: bool, pipeline: bool = False) -> None:
-    """Rank 0 writes the layout into each TensorBoard run, once per run (TensorBoard allows one per writer)."""
+def write_layout(trainer: L.Trainer, fields: tuple[WindowField, ...]) -> None:
+    """Rank 0 writes the layout of the monitor's ``fields`` into each TensorBoard run, once per run (TensorBoard allows
+    one per writer)."""
     if trainer.is_global_zero:
         for logger in tensorboard_loggers(trainer):
-            logger.experiment.add_custom_scalars(custom_scalars_layout(cuda, pipeline))
+            logger.experiment.add_custom_scalars(custom_scalars_layout(fields))
 
 
 def log_final_val_loss(trainer: L.Trainer) -> None:

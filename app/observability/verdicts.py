@@ -20,6 +20,8 @@ from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_only
 
+from app.observability.fields import COMPUTE, DATA_WAIT, LOSS, LOSS_STD, STEP
+
 alert = rank_zero_only(logging.getLogger(__name__).warning)
 
 
@@ -51,14 +53,14 @@ class StragglerWatch:
         self._slow_windows: dict[int, int] = {}  # per rank, its slow windows in a row
 
     def judge(self, window: dict[str, Any], hosts: list[str], sync_measured: bool) -> dict[str, float]:
-        compute = window["compute_s"]
+        compute = window[COMPUTE.name]
         if len(compute) < 2:
             return {"monitor/slowest_rank_ratio": 1.0, "monitor/straggler_events": self.events}
         others = median_of_others(compute)
         ratios = [seconds / median if median > 0 else 1.0 for seconds, median in zip(compute, others)]
-        idle = [s - c - d for s, c, d in zip(window["step_s"], compute, window["data_wait_s"])]
+        idle = [s - c - d for s, c, d in zip(window[STEP.name], compute, window[DATA_WAIT.name])]
         waits = [max(0.0, median - own) for own, median in zip(idle, median_of_others(idle))]  # others' wait for it
-        step = statistics.median(window["step_s"])
+        step = statistics.median(window[STEP.name])
         for rank, ratio in enumerate(ratios):
             self._slow_windows[rank] = self._slow_windows.get(rank, 0) + 1 if ratio > self.factor else 0
             if self._slow_windows[rank] == self.windows:
@@ -78,7 +80,7 @@ class StragglerWatch:
 def loss_departures(window: dict[str, Any], alert_sigmas: float) -> dict[str, float]:
     """A rank whose mean loss is further from the others' median than batch noise explains: alerted beyond
     ``alert_sigmas`` standard errors."""
-    losses, stds, n = window["loss"], window["loss_std"], window["losses_per_rank"]
+    losses, stds, n = window[LOSS.name], window[LOSS_STD.name], window["losses_per_rank"]
     if len(losses) < 2 or n < 2:
         return {}
     median = statistics.median(losses)
@@ -99,7 +101,7 @@ class DataWaitWatch:
         self._warned = False
 
     def judge(self, window: dict[str, Any], num_workers: int) -> dict[str, float]:
-        shares = [wait / step for wait, step in zip(window["data_wait_s"], window["step_s"])]
+        shares = [wait / step for wait, step in zip(window[DATA_WAIT.name], window[STEP.name])]
         if max(shares) > self.warning_share and not self._warned:
             self._warned = True
             alert(f"data loading takes {max(shares):.0%} of the step time on rank {shares.index(max(shares))}: raise "
