@@ -32,6 +32,7 @@ from app.strategies.pipeline import PipelineParallelStrategy
 from core.errors import UserError, check_ranges, check_writable_folder
 from core.precision import precision_named
 from core.run_plan import ZERO_BUBBLE_SCHEDULES, RunPlan
+from datamodules.language_modeling import LanguageModelingDataModule, check_byte_level_prompts
 from datamodules.prepare import DEFAULT_CORPUS_DIR
 from models.module import CohortModule
 
@@ -87,6 +88,9 @@ class Preflight:
         if self.subcommand is not None and self.subcommand not in family.commands:
             raise UserError(f"{family.__name__} has no {self.subcommand} (it has {', '.join(family.commands)}): "
                             "cohort validate reports its validation metrics")
+        data = self.config.data
+        if self.subcommand == "predict" and issubclass(class_of(data.class_path), LanguageModelingDataModule):
+            check_byte_level_prompts(data.init_args.vocab_size)  # before the checkpoint is read
         if self.subcommand == "predict" and self.plan.pipeline_parallel_size > 1:
             raise UserError("predict samples token by token through the whole model, which a pipeline splits: predict "
                             "on one process (configs/trainer/cpu.yaml) with the same --ckpt_path, which reads it whole")
