@@ -24,8 +24,8 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
-from functools import partial
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
