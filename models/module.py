@@ -273,12 +273,16 @@ class CohortModule(L.LightningModule):
         of the sanity check's validation, as Lightning."""
         trainer, names = self.trainer, self.metrics_to_write
         self.metrics_to_write = set()
-        if not trainer.is_global_zero or trainer.sanity_checking:
+        if trainer.sanity_checking:
             return
-        metrics = {name: float(value) for name, value in trainer.callback_metrics.items() if name in names}
+        # read on every rank, as Lightning's own logging does (a value's first reading may reduce it across ranks)
+        metrics = {name: value for name, value in trainer.callback_metrics.items() if name in names}
+        if not trainer.is_global_zero or not metrics:
+            return
+        scalars = {name: float(value) for name, value in metrics.items()}
         step = trainer.fit_loop.epoch_loop._batches_that_stepped + 1
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+            logger.log_metrics(scalars, step=step)
 
     def on_validation_end(self) -> None:
         if self.metrics_to_write:
