@@ -77,4 +77,4 @@ def test_the_disk_line_states_its_rule(free_checkpoints: int, status: str, debug
     log_disk = check_disk_space(DoctorCLI(debug_run_args).config, parameters)[0]
     assert log_disk.status == status.lower()
     assert log_disk.detail.endswith(f"{free_checkpoints * 3:.1f} GiB free, a checkpoint (weights and AdamW state in "
-                                    "float32) is 3.00 GiB: passes with room for 5 (15.0 GiB), fails below 2 (6.0 GiB)")
+                                    "float32) is 3.00 GiB: passes with room for 5 (15.00 GiB), fails below 2 (6.00 GiB)")

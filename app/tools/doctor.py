@@ -197,8 +197,8 @@ def check_disk_space(config: Namespace, parameters: int) -> list[Check]:
                   else "warn" if free >= DISK_WARN_CHECKPOINTS * checkpoint_bytes else "fail")
         detail = (f"{folder}: {free / 2**30:.1f} GiB free, a checkpoint (weights and AdamW state in float32) is "
                   f"{checkpoint_bytes / 2**30:.2f} GiB: passes with room for {DISK_PASS_CHECKPOINTS} "
-                  f"({DISK_PASS_CHECKPOINTS * checkpoint_bytes / 2**30:.1f} GiB), fails below {DISK_WARN_CHECKPOINTS} "
-                  f"({DISK_WARN_CHECKPOINTS * checkpoint_bytes / 2**30:.1f} GiB)")
+                  f"({DISK_PASS_CHECKPOINTS * checkpoint_bytes / 2**30:.2f} GiB), fails below {DISK_WARN_CHECKPOINTS} "
+                  f"({DISK_WARN_CHECKPOINTS * checkpoint_bytes / 2**30:.2f} GiB)")
         checks.append(Check(name, status, detail, "free space or move the folder" if status != "pass" else ""))
     return checks
 
