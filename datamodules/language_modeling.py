@@ -93,7 +93,16 @@ class LanguageModelingDataModule(ShardedDataModule):
                 )
 
     def predict_dataloader(self) -> DataLoader:
-        if self.vocab_size != BYTE_VOCAB_SIZE:
-            raise UserError("predict turns prompts into tokens byte by byte, which needs data.vocab_size 256")
+        check_byte_level_prompts(self.vocab_size)
         prompts = [torch.tensor(list(prompt.encode()), dtype=torch.long) for prompt in self.prompts]
         return DataLoader(prompts, batch_size=1)  # prompts differ in length
+
+
+def check_byte_level_prompts(vocab_size: int) -> None:
+    """A UserError unless ``predict``'s prompts, turned into tokens byte by byte, are tokens of the model's data:
+    the pre-flight checks ask before a checkpoint is read, the predict loader again."""
+    if vocab_size != BYTE_VOCAB_SIZE:
+        raise UserError(f"predict turns its prompts into tokens byte by byte, so it continues them only for a model "
+                        f"trained on byte-level tokens (data.vocab_size {BYTE_VOCAB_SIZE}), not data.vocab_size="
+                        f"{vocab_size} (a tokenizer's): write the run as a Hugging Face folder with `cohort export "
+                        "CHECKPOINT --out FOLDER` and generate there with transformers and the run's tokenizer")

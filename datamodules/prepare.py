@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import sys
 import sysconfig
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import IO, Any, TextIO
 
 import numpy as np
 
@@ -93,7 +93,7 @@ class TokenFileWriter:
         self.path = path
         self.dtype = dtype
         self.separator = separator
-        self.handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, suffix=".tmp", delete=False)
+        self.handle = new_file_beside(path, "xb")
         self.num_tokens = 0
 
     def append(self, tokens: np.ndarray) -> None:
@@ -125,9 +125,16 @@ class TokenFileWriter:
 
 def write_text_atomically(text: str, path: Path) -> None:
     """``path`` holds ``text`` or what it held before, never a part of ``text``."""
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as handle:
+    with new_file_beside(path, "x") as handle:
         handle.write(text)
     os.replace(handle.name, path)
+
+
+def new_file_beside(path: Path, mode: str) -> IO[Any]:
+    """A new file, opened with ``mode`` ("x..."), in ``path``'s folder, to be renamed onto ``path`` once written.
+    Made as open() makes files, readable as the umask allows (0644 under the usual 022), as ``cohort export``
+    writes; tempfile's files are their owner's only whatever the umask."""
+    return open(path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp"), mode)
 
 
 def check_split_sizes(train: int, val: int, minimum: int, sequence_length: int, val_fraction: float) -> None:

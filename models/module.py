@@ -25,6 +25,7 @@ import torch.nn as nn
 from jsonargparse import Namespace
 from lightning.pytorch.plugins import Precision
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.flop_counter import FlopCounterMode
 from torchmetrics import MeanMetric
 
@@ -68,6 +69,7 @@ class CohortModule(L.LightningModule):
         # the step's values to log (its last micro-batch's loss, the gradient norm before clipping, ...), set by
         # training_step and clipping, logged by log_step_metrics
         self.step_metrics: dict[str, torch.Tensor] = {}
+        self.metrics_to_write: set[str] = set()  # logged in fit, for write_logged_metrics to hand to the loggers
 
     # ----- what a family provides -----
     def plain_network(self) -> nn.Module:
@@ -223,11 +225,14 @@ class CohortModule(L.LightningModule):
             self.log_step_metrics()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """A stop asked for in the callbacks' on_train_batch_end (a preemption signal) makes the logger write this
-        step too: its values, not the last logged step's, which Lightning would write again. (Logged from this hook
-        only then: the run ends here, so these values come last and are the ones written.)"""
+        """What the step logged (the callbacks' too: they have run) goes to the loggers here. A stop asked for in the
+        callbacks' on_train_batch_end (a preemption signal) logs this step's values too, on a step the logger would
+        not have written: the run ends with them."""
         if self.step_metrics and self.trainer.should_stop:
             self.log_step_metrics()
+        if (self.metrics_to_write and run_plan_of(self).ends_optimizer_step(batch_idx)
+                and self.trainer._logger_connector.should_update_logs):  # the steps Lightning's logger writes
+            self.write_logged_metrics()
 
     def log_step_metrics(self) -> None:
         """The step's loss, gradient norm, ... and learning rate, once. Only on the steps the logger writes (every
@@ -237,6 +242,51 @@ class CohortModule(L.LightningModule):
             self.log(name, value, prog_bar=name == "train/loss")
         self.log("lr", self.lr_schedulers().get_last_lr()[0])  # the scheduler steps after on_train_batch_end
         self.step_metrics = {}
+
+    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool | None = None,
+            on_step: bool | None = None, on_epoch: bool | None = None, **kwargs: Any) -> None:
+        """Lightning's self.log, except for what Lightning would write at its count of the steps before this one (the
+        tenth step's loss, and the validation after it, at 9): that ``write_logged_metrics`` writes at the step the
+        console's lines and the monitor's series give (10)."""
+        deferred = logger is not False and self.written_a_step_behind(on_step, on_epoch)
+        super().log(name, value, prog_bar=prog_bar, logger=False if deferred else logger, on_step=on_step,
+                    on_epoch=on_epoch, **kwargs)
+        if deferred:
+            self.metrics_to_write.add(name)
+
+    def written_a_step_behind(self, on_step: bool | None, on_epoch: bool | None) -> bool:
+        """In fit, a value of one training step (one series: not also aggregated over the epoch) or of a validation.
+        What a training epoch aggregates Lightning writes after the epoch's last step, at the step it counts."""
+        trainer = self._trainer
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return False
+        if trainer.validating:
+            return not on_step
+        if on_step is None:  # Lightning's default: per step, except in the epoch hooks
+            on_step = self._current_fx_name not in ("on_train_epoch_start", "on_train_epoch_end")
+        return on_step and not on_epoch
+
+    def write_logged_metrics(self) -> None:
+        """What ``log`` kept for the loggers, as the trainer's callback metrics hold it (a validation's values reduced
+        over its batches and ranks), at Lightning's logging step plus one: the optimizer steps taken, or under the
+        fault-tolerant strategy, which sets Lightning's step to the committed ones, the step being committed. Nothing
+        of the sanity check's validation, as Lightning."""
+        trainer, names = self.trainer, self.metrics_to_write
+        self.metrics_to_write = set()
+        if trainer.sanity_checking:
+            return
+        # read on every rank, as Lightning's own logging does (a value's first reading may reduce it across ranks)
+        metrics = {name: value for name, value in trainer.callback_metrics.items() if name in names}
+        if not trainer.is_global_zero or not metrics:
+            return
+        scalars = {name: float(value) for name, value in metrics.items()}
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped + 1
+        for logger in trainer.loggers:
+            logger.log_metrics(scalars, step=step)
+
+    def on_validation_end(self) -> None:
+        if self.metrics_to_write:
+            self.write_logged_metrics()
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Lightning's backward of the training step's loss; under a pipeline the schedule has run it already."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,7 +13,7 @@ import torch.distributed.distributed_c10d
 
 from app.observability.flight_recorder import NcclFlightRecorder
 from app.safety.checkpoints import replace_path
-from app.safety.determinism import PerRankSeed, SameThreadsOnEveryRank
+from app.safety.determinism import PerRankSeed, SameThreadsOnEveryRank, oversubscription_advice
 from core.precision import PRECISIONS
 from core.run_plan import RunPlan
 
@@ -52,12 +53,36 @@ def test_the_thread_count_is_set_only_where_it_differs(monkeypatch: pytest.Monke
     calls: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     monkeypatch.setattr(torch, "get_num_threads", lambda: cpus)  # torch's default: every CPU
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # an idle machine, whatever this one's load
     if omp_threads_over_cpus is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", str(cpus + omp_threads_over_cpus))
     SameThreadsOnEveryRank().setup(SimpleNamespace(num_devices=1), None, "fit")
     assert calls == ([] if omp_threads_over_cpus is None else [cpus + omp_threads_over_cpus])
+
+
+@pytest.mark.parametrize(("threads", "processes", "cpus", "load", "advice"), [
+    (2, 1, 2, 0.3, None),  # an idle machine: every thread has a core
+    (2, 1, 2, 5.0, "OMP_NUM_THREADS=1"),  # the 2-core machine busy with other work that ran 20-70x slower
+    (8, 2, 16, 0.4, None),  # 2 processes sharing 16 cores
+    (8, 2, 16, 12.0, "OMP_NUM_THREADS=2"),
+    (1, 4, 2, 9.0, None),  # one thread each: nothing OMP_NUM_THREADS could change
+])
+def test_threads_beyond_the_free_cores_get_a_line_saying_what_to_set(
+        threads: int, processes: int, cpus: int, load: float, advice: str | None) -> None:
+    line = oversubscription_advice(threads, processes, cpus, load)
+    assert (line is None) == (advice is None) and (advice is None or line.endswith(f"set {advice}")), line
+
+
+def test_the_threads_line_is_printed_as_the_run_starts(monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)
+    monkeypatch.setattr(os, "getloadavg", lambda: (len(os.sched_getaffinity(0)) + 3.0, 0.0, 0.0))  # every core busy
+    with caplog.at_level(logging.INFO):
+        SameThreadsOnEveryRank().setup(SimpleNamespace(num_devices=1), None, "fit")
+    assert "threads: 1 process x 2 threads" in caplog.text and "set OMP_NUM_THREADS=1" in caplog.text
 
 
 def test_a_new_checkpoint_replaces_the_old_one_whole_file_or_folder(tmp_path: Path) -> None:

@@ -175,6 +175,19 @@ def test_predict_without_a_checkpoint_is_refused(debug_run_args: list[str], tmp_
                                      "predict continues prompts with trained weights: pass --ckpt_path", monkeypatch)
 
 
+def test_predict_for_a_model_of_a_tokenizers_data_is_refused_before_its_checkpoint_is_read(
+        debug_run_args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts become tokens byte by byte, which are not a tokenizer's; setting data.vocab_size 256 instead would
+    only be refused by the token files and the checkpoint in turn: the advice is to generate elsewhere."""
+    (tmp_path / "data").mkdir()
+    for split in ("train", "val"):
+        np.zeros(1000, dtype="<u2").tofile(tmp_path / "data" / f"{split}.bin")
+    message = assert_one_line_error_in_process(
+        ["predict", *debug_run_args, *QUIET, "--data.data_dir", str(tmp_path / "data"), "--data.vocab_size", "300",
+         "--ckpt_path", str(tmp_path / "not_read.ckpt")], tmp_path, "not data.vocab_size=300", monkeypatch)
+    assert "cohort export" in message and "set data.vocab_size" not in message, message
+
+
 def test_a_launcher_that_started_other_processes_than_the_config_says(fit_args: list[str], tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in {"TORCHELASTIC_RUN_ID": "job", "RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0",

@@ -74,6 +74,20 @@ def test_prepare_writes_token_files_and_says_how_to_train_on_them(tmp_path: Path
     assert bytes(np.concatenate([train, val]).astype(np.uint8)) == text.read_bytes() and len(val) == 140
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_prepare_writes_its_files_as_the_umask_allows(umask: int, tmp_path: Path) -> None:
+    """As `cohort export` and open() do: readable by the group and others under 022, by the owner alone under 077."""
+    text = tmp_path / "notes.txt"
+    text.write_text("hello, tokens\n" * 100)
+    previous = os.umask(umask)
+    try:
+        main(["prepare", str(text), "--out", str(tmp_path / "out"), "--val-fraction", "0.1"])
+    finally:
+        os.umask(previous)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "out").iterdir()}
+    assert modes == dict.fromkeys(("train.bin", "val.bin", "meta.json"), 0o666 & ~umask)
+
+
 def test_prepare_names_a_missing_input_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     message = one_line_error(["prepare", str(tmp_path / "nope"), "--out", str(tmp_path / "out")], monkeypatch)
     assert f"input {tmp_path / 'nope'} does not exist" in message

@@ -122,13 +122,16 @@ def test_the_doctor_answers_whether_the_8b_continued_pretraining_fits_80_gb_gpus
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The recipe's 8B sharded over 8 GPUs fits in 80 GB each (parameters, gradients and Adam state are an eighth of
     about 120 GB); replicated by DDP it cannot (the whole 120 GB on every GPU). This machine has no GPU, no token
-    files and no Llama folder (left out), so the doctor fails those checks; the memory line is the point."""
+    files and no Llama folder, so the doctor fails those checks (the run plan's with the folder); the memory line is
+    the point, given whatever else fails."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit):
         doctor(["-c", str(CONFIG_DIR / f"trainer/{preset}.yaml"), "-c",
-                str(CONFIG_DIR / "llama-8b/continued_pretraining.yaml"), "--model.init_from", "null",
+                str(CONFIG_DIR / "llama-8b/continued_pretraining.yaml"), "--trainer.devices", "8",
                 "--device_memory", "80GiB"])
-    line = next(line for line in capsys.readouterr().out.splitlines() if " memory " in line)
+    output = capsys.readouterr().out
+    assert "FAIL  run plan         model.init_from=models/Llama-3.1-8B is not a Hugging Face model folder" in output
+    line = next(line for line in output.splitlines() if " memory " in line)
     needed = float(re.search(r"needs ([0-9.]+) GiB", line).group(1))
     if fits:
         assert line.startswith("PASS") and 8_030_261_248 * 16 / 8 / 2**30 < needed < 80, line

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from app.observability.progress import StepProgress, format_duration
 from core.errors import UserError
@@ -200,3 +201,20 @@ def test_the_console_says_what_the_model_is_in_one_line_without_lightnings_table
     assert "model: GPT 'debug', 2 layers x 2 heads, width 32, context 64, vocabulary 256: " in console, console
     for noise in ("Total Flops", "MeanMetric", "Tip", "CUDA"):
         assert noise not in console, noise
+
+
+def test_tensorboard_writes_every_series_at_the_step_the_console_prints(
+        debug_run_args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loss, gradient norm, learning rate and validation loss at the optimizer step that the console's line and
+    the monitor's series name (step 4 after the fourth step), not Lightning's count of the steps before it."""
+    monkeypatch.chdir(tmp_path)
+    run_in_process(["fit", *debug_run_args, *STEPS, *batch_sizes(8, 4), "--trainer.gradient_clip_val", "1.0"],
+                   monkeypatch)
+    printed = sorted({int(step) for step in re.findall(r"^step (\d+)/8", capsys.readouterr().out, re.MULTILINE)})
+    events = EventAccumulator(str(tmp_path / "lightning_logs" / "version_0"), size_guidance={"scalars": 0})
+    events.Reload()
+    steps = {tag: [event.step for event in events.Scalars(tag)] for tag in (
+        "train/loss", "train/grad_norm", "lr", "throughput/tokens_per_second", "monitor/step_s/median")}
+    assert printed == [2, 4, 6, 8] and all(logged == printed for logged in steps.values()), steps
+    assert [event.step for event in events.Scalars("val/loss")] == [4, 8]

@@ -32,6 +32,7 @@ from app.strategies.pipeline import PipelineParallelStrategy
 from core.errors import UserError, check_ranges, check_writable_folder
 from core.precision import precision_named
 from core.run_plan import ZERO_BUBBLE_SCHEDULES, RunPlan
+from datamodules.language_modeling import LanguageModelingDataModule, check_byte_level_prompts
 from datamodules.prepare import DEFAULT_CORPUS_DIR
 from models.module import CohortModule
 
@@ -48,7 +49,8 @@ FAULT_TOLERANT_DEFAULTS = signature_defaults(FaultTolerantStrategy)
 
 class Preflight:
     """The checks of one command's config, in order. ``run`` raises at the first failure; ``cohort doctor`` runs
-    ``checks`` one by one and reports each. The run plan is set once its check has passed."""
+    ``checks`` one by one and reports each. The run plan is set once its sizes are resolved (before the family's
+    checks against them)."""
 
     def __init__(self, config: Namespace, subcommand: str | None) -> None:
         self.config = config
@@ -79,11 +81,16 @@ class Preflight:
         return trainer.precision
 
     def check_run_plan(self) -> str:
-        self.plan = check_config(self.config)
+        # kept even when the checks against it fail: cohort doctor still estimates the memory of its sizes
+        self.plan = resolve_run_plan(self.config)
+        check_config_against_plan(self.config, self.plan)
         family = model_class(self.config)
         if self.subcommand is not None and self.subcommand not in family.commands:
             raise UserError(f"{family.__name__} has no {self.subcommand} (it has {', '.join(family.commands)}): "
                             "cohort validate reports its validation metrics")
+        data = self.config.data
+        if self.subcommand == "predict" and issubclass(class_of(data.class_path), LanguageModelingDataModule):
+            check_byte_level_prompts(data.init_args.vocab_size)  # before the checkpoint is read
         if self.subcommand == "predict" and self.plan.pipeline_parallel_size > 1:
             raise UserError("predict samples token by token through the whole model, which a pipeline splits: predict "
                             "on one process (configs/trainer/cpu.yaml) with the same --ckpt_path, which reads it whole")
@@ -147,6 +154,13 @@ class Preflight:
 def check_config(config: Namespace) -> RunPlan:
     """What the config alone decides, on any machine (``--print_config`` checks this much): the strategy, the sizes
     and the batch arithmetic, and whether the model fits them. Returns the run plan."""
+    plan = resolve_run_plan(config)
+    check_config_against_plan(config, plan)
+    return plan
+
+
+def resolve_run_plan(config: Namespace) -> RunPlan:
+    """The strategy, the sizes and the batch arithmetic of the config: its run plan, or a UserError."""
     trainer, data = config.trainer, config.data.init_args
     if trainer.use_distributed_sampler:
         raise UserError("trainer.use_distributed_sampler must stay false: the datamodule gives each rank its "
@@ -166,7 +180,7 @@ def check_config(config: Namespace) -> RunPlan:
     if asynchronous:
         check_asynchronous(config, world_size, precision.name)
     replica_groups = check_fault_tolerance(config, world_size) if is_fault_tolerant(trainer.strategy) else 1
-    plan = RunPlan(
+    return RunPlan(
         devices_per_node=devices_per_node(trainer), num_nodes=int(trainer.num_nodes),
         data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel,
         global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch_size,
@@ -176,6 +190,11 @@ def check_config(config: Namespace) -> RunPlan:
         unit=getattr(class_of(config.data.class_path), "unit", "tokens"),
         asynchronous_workers=world_size - 1 if asynchronous else 0, replica_groups=replica_groups,
     )
+
+
+def check_config_against_plan(config: Namespace, plan: RunPlan) -> None:
+    """The options and the model family against the run plan: a UserError for what they cannot do with it."""
+    trainer, data = config.trainer, config.data.init_args
     check_compression(getattr(config, "gradient_compression", None), trainer.strategy, plan.world_size)
     check_local_updates(config, plan.world_size)
     family = model_class(config)
@@ -189,7 +208,6 @@ def check_config(config: Namespace) -> RunPlan:
     if is_fsdp(trainer.strategy) and getattr(config.model.init_args, "activation_checkpointing", False):
         raise UserError("model.activation_checkpointing is for DDP and model_parallel; under fsdp set "
                         "trainer.strategy.init_args.activation_checkpointing_policy (see configs/trainer/fsdp_gpu_bf16.yaml)")
-    return plan
 
 
 def check_family_honours_strategy(family: type[CohortModule], plan: RunPlan, strategy: str | Namespace | None) -> None:

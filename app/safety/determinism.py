@@ -9,6 +9,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
 
 from core.run_plan import run_plan_of
 from core.seeding import derive_seed
@@ -29,6 +30,22 @@ class SameThreadsOnEveryRank(Callback):
         # step 2 % (small GPT) to 10 % (debug GPT) slower on 2 cores at the count it had (benchmarks/RESULTS.md)
         if torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        advice = oversubscription_advice(wanted, trainer.num_devices, cpus, load)
+        if advice is not None:
+            rank_zero_info(advice)
+
+
+def oversubscription_advice(threads: int, processes: int, cpus: int, load: float) -> str | None:
+    """One line, where this machine's processes want more threads than the cores other work leaves them (the load
+    average of the last minute, measured as they start, is that other work): the threads then wait for each other
+    at every parallel op, which made one process on a busy 2-core machine 20-70x slower than with one thread."""
+    free = max(1, round(cpus - load))
+    if threads <= 1 or threads * processes <= free:
+        return None
+    return (f"threads: {processes} process{'es' if processes > 1 else ''} x {threads} threads on {cpus} CPUs that "
+            f"other work keeps {load:.1f} busy (the last minute's load average): threads beyond the free cores wait "
+            f"on each other and can make every step many times slower; set OMP_NUM_THREADS={max(1, free // processes)}")
 
 
 class PerRankSeed(Callback):

@@ -8,7 +8,11 @@ trainer.devices x trainer.num_nodes, the precision on this device, the run plan'
 checkpoint to resume, writable folders), each reported rather than stopping at the first; then the doctor's own
 probes: every rank reaching a barrier within a timeout, all-reduce bandwidth, the DataLoader's speed against the
 model's step, room for checkpoints on the disks, addresses that other nodes cannot reach. Prints pass / warn / fail
-with advice and exits non-zero when anything fails.
+(and skip, with the reason) with advice and exits non-zero when anything fails.
+
+A GPU job can be checked from a machine without one (a GPU preset, or --device_memory): the precision and the
+memory are judged for the GPU, and the DataLoader is timed without the model's compute, which only that GPU can
+time.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +43,7 @@ from app.cli.preflight import Preflight, class_of, is_fsdp, log_root, model_clas
 from app.tools.comm import time_collective
 from app.tools.memory import estimate_memory, module_step_loss, parse_memory_size, visible_device_memory
 from core.errors import UserError
+from core.precision import precision_named
 from core.run_plan import RunPlan
 from models.module import DERIVED_FROM_DATA, CohortModule
 
@@ -45,9 +51,31 @@ from models.module import DERIVED_FROM_DATA, CohortModule
 @dataclass
 class Check:
     name: str
-    status: str  # "pass", "warn" or "fail"
+    status: str  # "pass", "warn", "fail" or "skip" (not judged here; the detail says why)
     detail: str
     advice: str = ""
+
+
+# the data loader's share of a micro-batch's time (loading + compute) from which it warns, and fails
+DATA_WARN_SHARE, DATA_FAIL_SHARE = 0.1, 0.3
+# free disk space against one checkpoint's size: a pass needs room for this many, less than WARN of them fails
+DISK_PASS_CHECKPOINTS, DISK_WARN_CHECKPOINTS = 5, 2
+
+
+def targets_gpu(config: Namespace) -> bool:
+    """Whether the job runs on GPUs: its accelerator says so, or ("auto") this machine has one or --device_memory
+    names one's size."""
+    accelerator = config.trainer.accelerator
+    return accelerator in ("gpu", "cuda") or (
+        accelerator == "auto" and (torch.cuda.is_available() or config.device_memory is not None))
+
+
+def judge_precision_for_gpu(config: Namespace) -> str:
+    """The precision check of a GPU job checked from a machine without a GPU: the precision as the GPU runs it."""
+    precision = precision_named(config.trainer.precision).name
+    config.trainer.precision = precision
+    unchecked = " (whether the GPU has bfloat16 is checked on it)" if precision.startswith("bf16") else ""
+    return f"{precision}, judged for the GPU this job targets: none is visible here{unchecked}"
 
 
 def check_rendezvous(launch: Launch, device: torch.device, timeout_s: float) -> tuple[Check, bool]:
@@ -59,7 +87,8 @@ def check_rendezvous(launch: Launch, device: torch.device, timeout_s: float) -> 
     except Exception as error:  # any failure here is the finding, reported rather than raised
         return Check("barrier", "fail", f"{type(error).__name__}: {error}".splitlines()[0][:200],
                      "check MASTER_ADDR/MASTER_PORT reachability and firewalls between nodes"), False
-    return Check("barrier", "pass", f"all {dist.get_world_size()} ranks met in {time.perf_counter() - start:.2f} s"), True
+    return Check("barrier", "pass", f"all {dist.get_world_size()} ranks met in {time.perf_counter() - start:.2f} s "
+                 f"(fails after {timeout_s:.0f} s)"), True
 
 
 def check_bandwidth(device: torch.device) -> Check:
@@ -92,7 +121,7 @@ def check_memory(config: Namespace, model: CohortModule, plan: RunPlan) -> Check
     """Per-device memory of a training step under the config's strategy and precision (app/tools/memory.py), against
     --device_memory or, on a GPU, its size."""
     trainer = config.trainer
-    on_gpu = trainer.accelerator in ("gpu", "cuda") or (trainer.accelerator == "auto" and torch.cuda.is_available())
+    on_gpu = targets_gpu(config)
     name = strategy_name(trainer.strategy)
     sharded = is_fsdp(trainer.strategy) or name.endswith(("ModelParallelStrategy", "PipelineParallelStrategy"))
     strategy = "fsdp" if sharded else "ddp" if plan.data_parallel_size > 1 else "single"
@@ -114,8 +143,9 @@ def check_memory(config: Namespace, model: CohortModule, plan: RunPlan) -> Check
 
 
 def check_data(data: LightningDataModule, model: CohortModule, plan: RunPlan, rank: int,
-               device: torch.device) -> Check:
-    """The loader's time per micro-batch against the model's compute per micro-batch on this device."""
+               device: torch.device | None) -> Check:
+    """The loader's time per micro-batch against the model's compute per micro-batch on ``device``; None: the job's
+    device is not here, and the loader is timed alone."""
     data.run_plan = plan
     data.prepare_data()
     data.setup("fit")
@@ -125,14 +155,19 @@ def check_data(data: LightningDataModule, model: CohortModule, plan: RunPlan, ra
     start = time.perf_counter()
     fetched = [next(batches) for _ in range(max(1, min(10, len(loader) - 1)))]
     loader_seconds = (time.perf_counter() - start) / max(1, len(fetched))
+    loading = f"{loader_seconds * 1e3:.1f} ms per micro-batch"
+    if device is None:
+        return Check("data loader", "skip", f"{loading}; the model's compute is not timed: this job runs on a GPU and "
+                     "none is visible here", "run cohort doctor on a GPU node to compare the two")
     compute_seconds = micro_batch_compute_seconds(model, fetched[0], device)
     if compute_seconds is None:
-        return Check("data loader", "pass", f"{loader_seconds * 1e3:.1f} ms per micro-batch",
-                     "model too large to time here; compare with the step time once training runs")
+        return Check("data loader", "skip", f"{loading}; the model's compute is not timed: over 1.5B parameters, it "
+                     "needs sharding", "compare with the step time once training runs")
     share = loader_seconds / (loader_seconds + compute_seconds)
-    detail = f"{loader_seconds * 1e3:.1f} ms per micro-batch vs {compute_seconds * 1e3:.1f} ms of compute ({share:.0%})"
+    detail = (f"{loading} vs {compute_seconds * 1e3:.1f} ms of compute: {share:.0%} of the time (warns from "
+              f"{DATA_WARN_SHARE:.0%}, fails from {DATA_FAIL_SHARE:.0%})")
     advice = f"raise data.num_workers (now {data.hparams.num_workers}), set data.pin_memory, keep data on local disk"
-    status = "pass" if share < 0.1 else "warn" if share < 0.3 else "fail"
+    status = "pass" if share < DATA_WARN_SHARE else "warn" if share < DATA_FAIL_SHARE else "fail"
     return Check("data loader", status, detail, advice if status != "pass" else "")
 
 
@@ -158,9 +193,13 @@ def check_disk_space(config: Namespace, parameters: int) -> list[Check]:
     for name, folder in (("log disk", root), ("checkpoint disk", Path(config.checkpoint.dirpath or root))):
         existing = next(parent for parent in (folder, *folder.parents) if parent.exists())
         free = shutil.disk_usage(existing).free
-        status = "pass" if free > 5 * checkpoint_bytes else "warn" if free > 2 * checkpoint_bytes else "fail"
-        checks.append(Check(name, status, f"{folder}: {free / 2**30:.1f} GiB free, a checkpoint is "
-                            f"{checkpoint_bytes / 2**30:.2f} GiB", "free space or move the folder" if status != "pass" else ""))
+        status = ("pass" if free >= DISK_PASS_CHECKPOINTS * checkpoint_bytes
+                  else "warn" if free >= DISK_WARN_CHECKPOINTS * checkpoint_bytes else "fail")
+        detail = (f"{folder}: {free / 2**30:.1f} GiB free, a checkpoint (weights and AdamW state in float32) is "
+                  f"{checkpoint_bytes / 2**30:.2f} GiB: passes with room for {DISK_PASS_CHECKPOINTS} "
+                  f"({DISK_PASS_CHECKPOINTS * checkpoint_bytes / 2**30:.2f} GiB), fails below {DISK_WARN_CHECKPOINTS} "
+                  f"({DISK_WARN_CHECKPOINTS * checkpoint_bytes / 2**30:.2f} GiB)")
+        checks.append(Check(name, status, detail, "free space or move the folder" if status != "pass" else ""))
     return checks
 
 
@@ -215,13 +254,16 @@ def main(argv: list[str]) -> None:
         sys.exit(f"cohort doctor: error: the launcher's environment is not usable: {error}")
     rank, world_size = launch.rank, launch.world_size
     device = launch_device(launch, use_gpu=config.trainer.accelerator != "cpu")
+    gpu_elsewhere = targets_gpu(config) and not torch.cuda.is_available()  # checked from a machine without one
     preflight = Preflight(config, subcommand=None)
     checks = []
     for name, check in preflight.checks():  # the checks fit runs, each reported instead of stopping at the first
+        if gpu_elsewhere and check == preflight.resolve_trainer_precision:
+            check = partial(judge_precision_for_gpu, config)
         try:
             checks.append(Check(name, "pass", check()))
         except UserError as error:
-            checks.append(Check(name, "fail", f"launcher {launch.launcher}, {world_size} processes", str(error)))
+            checks.append(Check(name, "fail", str(error)))
     checks.append(check_addresses(int(config.trainer.num_nodes)))
     joined = False
     if checks[0].status == "fail":
@@ -233,14 +275,17 @@ def main(argv: list[str]) -> None:
             checks.append(check_bandwidth(device))
     data, model, problems = instantiate_family(config)
     checks += problems
-    if model is not None and preflight.plan is not None:
+    if model is None or preflight.plan is None:
+        unknown = "the model" if model is None else "the run plan's sizes"
+        checks.append(Check("memory", "skip", f"not estimated: {unknown} could not be resolved (see above)"))
+    else:
         try:
             checks.append(check_memory(config, model, preflight.plan))
         except UserError as error:  # --device_memory that is not a size
             checks.append(Check("memory", "fail", f"--device_memory: {error}"))
     if data is not None and model is not None and preflight.plan is not None:
         try:
-            checks.append(check_data(data, model, preflight.plan, rank, device))
+            checks.append(check_data(data, model, preflight.plan, rank, None if gpu_elsewhere else device))
         except UserError as error:
             checks.append(Check("data", "fail", str(error)))
     if model is not None:
