@@ -5,8 +5,8 @@ samples, deciding how from what the loader's sampler is:
     shuffling or in order       Cohort's sampler (datamodules/samplers.py) in its place, in the same order kind:
     (shuffle=True or False)     every step reads the global batch one process would, under every strategy (the
                                 parameter server and fault-tolerant groups hand out steps by number)
-    a DistributedSampler        the loader shares the samples out itself: kept as it is, where the ranks step
-                                together (DDP, FSDP2, ...)
+    a DistributedSampler        the loader shares the samples out itself: kept as it is where every process is a
+                                data-parallel rank of its own (DDP, FSDP2)
     anything else (a sampler    kept on one process; refused on more, where Cohort cannot know that each rank
     of its own, an iterable)    reads its own samples
 
@@ -52,9 +52,14 @@ class TrainingLoader:
             return self.global_batch_size
         return self.micro_batch_size * data_parallel_size * replica_groups
 
-    def check_strategy(self, world_size: int, steps_by_number: str | None) -> None:
+    def check_strategy(self, world_size: int, data_parallel_size: int, steps_by_number: str | None) -> None:
         """A UserError where the ranks could not each read their own samples: ``steps_by_number`` names a strategy
         that hands out global batches by number (only Cohort's sampler can read those)."""
+        if self.sharing == ITSELF and data_parallel_size != world_size and steps_by_number is None:
+            raise UserError(f"{self.datamodule}'s train_dataloader shares its samples out with a DistributedSampler, "
+                            f"over the {world_size} processes, but only {data_parallel_size} of them are data-parallel "
+                            "ranks (tensor-parallel ranks and pipeline stages read the same samples): give the "
+                            "DataLoader shuffle=True (or False) and no sampler, and Cohort shares them out")
         if steps_by_number is not None and self.sharing != COHORT:
             raise UserError(f"{self.datamodule}'s train_dataloader reads with {self.sampler}, but {steps_by_number} "
                             "hands out global batches by number, which only Cohort's sampler reads: give the "
@@ -90,10 +95,19 @@ def read_training_loader(datamodule: L.LightningDataModule) -> TrainingLoader:
     """The datamodule's training loader as ``setup("fit")`` makes it (after ``prepare_data``, on a node's first
     process only, as Lightning calls it), and what it yields."""
     name = type(datamodule).__name__
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        datamodule.prepare_data()
-    datamodule.setup("fit")
-    loader = datamodule.train_dataloader()
+    try:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            datamodule.prepare_data()
+        datamodule.setup("fit")
+        loader = datamodule.train_dataloader()
+    except UserError:
+        raise
+    except Exception as error:
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        raise UserError(f"{name}'s training loader could not be made before start ({reason}): Cohort reads the batch "
+                        "plan off it before any process group or trainer exists, so make it from the datamodule's "
+                        "own state (no DistributedSampler needed: with shuffle=True or False and no sampler, Cohort "
+                        "gives each rank its own samples)") from error
     if not isinstance(loader, DataLoader):
         raise UserError(f"{name}.train_dataloader returned a {type(loader).__name__}: return one torch DataLoader")
     micro_batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)

@@ -89,6 +89,11 @@ class SharesItself(IndexedFeatures):
         return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler)
 
 
+class SharesOverTheProcessGroup(IndexedFeatures):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=DistributedSampler(self.train_set))
+
+
 class Block(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -234,9 +239,14 @@ def test_each_rank_reads_its_own_samples_and_trains_as_one_process_does(name: st
                           "over 2 processes"),
     ("SharesItself", preset("async_ps_cpu"), "SharesItself's train_dataloader reads with DistributedSampler, but the "
                                              "parameter server hands out global batches by number"),
+    ("SharesItself", preset("pipeline_cpu"), "SharesItself's train_dataloader shares its samples out with a "
+                                             "DistributedSampler, over the 2 processes, but only 1 of them"),
+    ("SharesOverTheProcessGroup", DDP_2, "SharesOverTheProcessGroup's training loader could not be made before start "
+                                         "(ValueError: Default process group has not been initialized"),
     ("IndexedFeatures", ["--trainer.use_distributed_sampler", "true"], "trainer.use_distributed_sampler must stay "
                                                                        "false"),
-], ids=["micro-batch-disagrees", "own-sampler-ddp", "distributed-sampler-async", "lightning-sampler"])
+], ids=["micro-batch-disagrees", "own-sampler-ddp", "distributed-sampler-async", "distributed-sampler-pipeline",
+                             "loader-needs-a-process-group", "lightning-sampler"])
 def test_what_your_data_cannot_do_is_refused_before_it_starts(data: str, layout: list[str], refusal: str,
                                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

@@ -207,7 +207,7 @@ def training_data(config: Namespace, data_parallel_size: int, world_size: int) -
     strategy = config.trainer.strategy
     by_number = ("the parameter server" if is_parameter_server(strategy) else
                  "FaultTolerantStrategy" if is_fault_tolerant(strategy) else None)
-    loader.check_strategy(world_size, by_number)
+    loader.check_strategy(world_size, data_parallel_size, by_number)
     groups = int(getattr(strategy.init_args, "replica_groups", FAULT_TOLERANT_DEFAULTS["replica_groups"])
                  if is_fault_tolerant(strategy) else 1)
     return Namespace(global_batch_size=loader.default_global_batch_size(data_parallel_size, groups),
