@@ -10,10 +10,10 @@ samples, deciding how from what the loader's sampler is:
     anything else (a sampler    kept on one process; refused on more, where Cohort cannot know that each rank
     of its own, an iterable)    reads its own samples
 
-The micro batch is the loader's ``batch_size``. The global batch is the datamodule's ``global_batch_size`` where it
-states one (not None) (a ``micro_batch_size`` it states must be the loader's batch size), else one micro batch per data-parallel
-rank and replica group. Throughput is counted in the datamodule's ``unit`` (default "samples") times its
-``sequence_length`` (default 1) per sample.
+The micro batch is the loader's ``batch_size`` (a ``micro_batch_size`` the datamodule states must agree). The global
+batch is the datamodule's ``global_batch_size`` where it states one, a multiple of the micro batch times the
+data-parallel ranks (and replica groups); else one micro batch per data-parallel rank and replica group. Throughput
+is counted in the datamodule's ``unit`` (default "samples") times its ``sequence_length`` (default 1) per sample.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import lightning as L
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler,
+)
 
 from core.errors import UserError
 from core.run_plan import RunPlan
@@ -48,9 +50,17 @@ class TrainingLoader:
 
     def default_global_batch_size(self, data_parallel_size: int, replica_groups: int) -> int:
         """The stated global batch, else one micro batch per data-parallel rank and replica group."""
-        if self.global_batch_size is not None:
-            return self.global_batch_size
-        return self.micro_batch_size * data_parallel_size * replica_groups
+        per_pass = self.micro_batch_size * data_parallel_size * replica_groups
+        stated = self.global_batch_size
+        if stated is None:
+            return per_pass
+        if not isinstance(stated, int) or stated < 1 or stated % per_pass:
+            groups = f" x {replica_groups} replica groups" if replica_groups > 1 else ""
+            raise UserError(f"{self.datamodule}.global_batch_size={stated!r} is not a multiple of its "
+                            f"train_dataloader's batch_size {self.micro_batch_size} x {data_parallel_size} "
+                            f"data-parallel ranks{groups} = {per_pass}: state a multiple of {per_pass}, or None for "
+                            f"{per_pass}")
+        return stated
 
     def check_strategy(self, world_size: int, data_parallel_size: int, steps_by_number: str | None) -> None:
         """A UserError where the ranks could not each read their own samples: ``steps_by_number`` names a strategy
@@ -137,8 +147,10 @@ def share_out_training_samples(datamodule: L.LightningDataModule, plan: RunPlan,
         loader = own_train_dataloader()
         if sharing_of(loader) != COHORT:
             return loader
-        sampler = GlobalBatchSampler(len(loader.dataset), plan, plan.data_parallel_rank(global_rank),  # type: ignore[arg-type]
-                                     current_step, shuffle=isinstance(index_reader(loader), RandomSampler))
+        shuffle = isinstance(index_reader(loader), RandomSampler)
+        rank = plan.data_parallel_rank(global_rank)
+        samples = len(loader.dataset)  # type: ignore[arg-type]  # a map-style dataset: sharing_of said so
+        sampler = GlobalBatchSampler(samples, plan, rank, current_step, shuffle=shuffle)
         return ResumableDataLoader(
             loader.dataset, batch_size=plan.micro_batch_size, sampler=sampler, collate_fn=loader.collate_fn,
             num_workers=loader.num_workers, pin_memory=loader.pin_memory, timeout=loader.timeout,

@@ -42,7 +42,7 @@ def labelled_features(num_samples: int, seed: int) -> TensorDataset:
 class IndexedFeatures(L.LightningDataModule):
     """A plain datamodule, as Lightning's documentation writes one."""
 
-    global_batch_size: int | None = GLOBAL_BATCH  # samples per optimizer step; None: one micro batch per data-parallel rank
+    global_batch_size: int | None = GLOBAL_BATCH  # per optimizer step; None: one micro batch per data-parallel rank
 
     def __init__(self, num_samples: int = TRAIN_SAMPLES, batch_size: int = 8, num_workers: int = 0) -> None:
         super().__init__()
@@ -61,6 +61,10 @@ class IndexedFeatures(L.LightningDataModule):
 
 class NoGlobalBatch(IndexedFeatures):
     global_batch_size = None
+
+
+class WrongGlobalBatch(IndexedFeatures):
+    global_batch_size = 20  # not whole micro batches of 8 on each of 2 ranks
 
 
 class WrongMicroBatch(IndexedFeatures):
@@ -163,7 +167,8 @@ class RecordSampleIndices(Callback):
 
 
 def own_data_run(out_dir: Path) -> list[str]:
-    return ["--model", "tests.test_your_own_data.FeatureClassifier", "--data", "tests.test_your_own_data.IndexedFeatures",
+    return ["--model", "tests.test_your_own_data.FeatureClassifier",
+            "--data", "tests.test_your_own_data.IndexedFeatures",
             "--trainer.accelerator", "cpu", "--trainer.max_steps", str(STEPS), "--val_every_n_steps", "1",
             "--trainer.gradient_clip_val", "0.1", "--trainer.log_every_n_steps", "1",
             "--model.optimizer.warmup_steps", "2", "--trainer.callbacks+=tests.test_your_own_data.RecordSampleIndices",
@@ -235,6 +240,8 @@ def test_each_rank_reads_its_own_samples_and_trains_as_one_process_does(name: st
 
 @pytest.mark.parametrize("data, layout, refusal", [
     ("WrongMicroBatch", [], "WrongMicroBatch.micro_batch_size=4 but its train_dataloader yields batches of 8"),
+    ("WrongGlobalBatch", DDP_2, "WrongGlobalBatch.global_batch_size=20 is not a multiple of its train_dataloader's "
+                                "batch_size 8 x 2 data-parallel ranks = 16"),
     ("OwnSampler", DDP_2, "OwnSampler's train_dataloader reads with EveryOtherSample, which Cohort cannot share out "
                           "over 2 processes"),
     ("SharesItself", preset("async_ps_cpu"), "SharesItself's train_dataloader reads with DistributedSampler, but the "
@@ -245,8 +252,8 @@ def test_each_rank_reads_its_own_samples_and_trains_as_one_process_does(name: st
                                          "(ValueError: Default process group has not been initialized"),
     ("IndexedFeatures", ["--trainer.use_distributed_sampler", "true"], "trainer.use_distributed_sampler must stay "
                                                                        "false"),
-], ids=["micro-batch-disagrees", "own-sampler-ddp", "distributed-sampler-async", "distributed-sampler-pipeline",
-                             "loader-needs-a-process-group", "lightning-sampler"])
+], ids=["micro-batch-disagrees", "global-batch-disagrees", "own-sampler-ddp", "distributed-sampler-async",
+        "distributed-sampler-pipeline", "loader-needs-a-process-group", "lightning-sampler"])
 def test_what_your_data_cannot_do_is_refused_before_it_starts(data: str, layout: list[str], refusal: str,
                                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

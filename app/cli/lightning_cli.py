@@ -199,7 +199,8 @@ class CohortCLI(LightningCLI):
         plan = self.run_plan.for_rank(self.trainer.global_rank)
         self.model.run_plan = self.datamodule.run_plan = plan
         if not isinstance(self.datamodule, ShardedDataModule):  # one's own: Cohort shares its samples out
-            share_out_training_samples(self.datamodule, plan, self.trainer.global_rank, lambda: self.trainer.global_step)
+            share_out_training_samples(self.datamodule, plan, self.trainer.global_rank,
+                                       current_step=lambda: self.trainer.global_step)
         self.trainer.accumulate_grad_batches = plan.accumulation
         val_every_n_steps = self.config[self.subcommand].val_every_n_steps
         if val_every_n_steps is not None:
