@@ -19,6 +19,9 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
 from app.strategies.fault_tolerance.job import replica_group
+from core.precision import precision_named
+from core.run_plan import RunPlan
+from datamodules.own_datamodule import share_out_training_samples
 from models.module import CohortModule
 from models.optimizer import OptimizerSettings
 from models.pipeline import PipelineSplit
@@ -46,14 +49,16 @@ class IndexedFeatures(L.LightningDataModule):
 
     def __init__(self, num_samples: int = TRAIN_SAMPLES, batch_size: int = 8, num_workers: int = 0) -> None:
         super().__init__()
-        self.num_samples, self.batch_size, self.num_workers = num_samples, batch_size, num_workers
+        # kept under another name: what Cohort needs to know of the loader, it reads off the loader
+        self.num_samples, self.batch_size, self.loader_workers = num_samples, batch_size, num_workers
 
     def setup(self, stage: str) -> None:
         self.train_set = labelled_features(self.num_samples, seed=0)
         self.val_set = labelled_features(32, seed=1)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True,
+                          num_workers=self.loader_workers)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size)
@@ -271,3 +276,28 @@ def test_the_batch_plan_is_read_from_the_loader(tmp_path: Path, caplog: pytest.L
     assert ("batch plan: global batch 4 = micro batch 4 x 1 data-parallel ranks x 1 accumulation steps; 4 samples per "
             "optimizer step") in caplog.text
     assert "samples/s (all ranks)" in caplog.text  # the run summary
+
+
+class InOrder(IndexedFeatures):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size)
+
+
+@pytest.mark.parametrize("data, in_order", [(IndexedFeatures, False), (InOrder, True)], ids=["shuffled", "in-order"])
+def test_each_data_parallel_rank_gets_its_share_of_every_global_batch(data: type[IndexedFeatures],
+                                                                      in_order: bool) -> None:
+    """Two data-parallel ranks' loaders: micro-batches of the loader's batch size, together each global batch once,
+    in the loader's order kind (a loader without shuffle reads the samples in order)."""
+    plan = RunPlan(devices_per_node=2, num_nodes=1, data_parallel_size=2, tensor_parallel_size=1,
+                   global_batch_size=GLOBAL_BATCH, micro_batch_size=8, sequence_length=1,
+                   precision=precision_named("32-true"), seed=1337)
+    per_rank = []
+    for rank in range(2):
+        datamodule = data()
+        datamodule.setup("fit")
+        share_out_training_samples(datamodule, plan, rank, current_step=lambda: 0)
+        per_rank.append([batch[2].tolist() for batch in datamodule.train_dataloader()])
+    assert [len(batches) for batches in per_rank] == [STEPS, STEPS]
+    steps = [sorted(per_rank[0][step] + per_rank[1][step]) for step in range(STEPS)]
+    assert sorted(index for step in steps for index in step) == list(range(TRAIN_SAMPLES))
+    assert (steps == [list(range(step * 16, (step + 1) * 16)) for step in range(STEPS)]) == in_order
