@@ -40,8 +40,9 @@ class GlobalBatchSampler(Sampler[int]):
     """
 
     def __init__(self, num_samples: int, plan: RunPlan, data_parallel_rank: int,
-                 current_step: Callable[[], int] = lambda: 0) -> None:
+                 current_step: Callable[[], int] = lambda: 0, shuffle: bool = True) -> None:
         self.num_samples = num_samples
+        self.shuffle = shuffle  # False: every data epoch reads the samples in their order (a loader without shuffle)
         self.plan = plan
         self.rank = data_parallel_rank
         self.current_step = current_step
@@ -96,10 +97,17 @@ class GlobalBatchSampler(Sampler[int]):
         for step, step_places in steps:
             data_epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
             if data_epoch != permutation_epoch:
-                generator = torch.Generator().manual_seed(derive_seed(plan.seed, data_epoch))
-                permutation, permutation_epoch = torch.randperm(self.num_samples, generator=generator), data_epoch
+                permutation, permutation_epoch = self.permutation(data_epoch), data_epoch
             places = list(step_places)
             yield step, places, permutation[step_in_epoch * plan.global_batch_size + torch.tensor(places)].tolist()
+
+
+    def permutation(self, data_epoch: int) -> torch.Tensor:
+        """The order in which data epoch ``data_epoch`` reads the samples: drawn from the seed and the epoch."""
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        generator = torch.Generator().manual_seed(derive_seed(self.plan.seed, data_epoch))
+        return torch.randperm(self.num_samples, generator=generator)
 
 
 class StepMicroBatches(Sampler[list[Any]]):

@@ -205,7 +205,7 @@ def reporting_monitor(world_size: int, **options: float) -> tuple[RankMonitor, S
     logged: dict[str, float] = {}
     logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.update(metrics))
     trainer = SimpleNamespace(world_size=world_size, is_global_zero=True,
-                              loggers=[logger], global_step=10, datamodule=SimpleNamespace(num_workers=0))
+                              loggers=[logger], global_step=10, train_dataloader=SimpleNamespace(num_workers=0))
     return monitor, trainer, logged
 
 

@@ -40,8 +40,10 @@ from app.strategies.parameter_server.server import WorkerLost
 from core.errors import UserError
 from core.run_plan import RunPlan
 from core.seeding import DEFAULT_SEED
+from datamodules.base import ShardedDataModule
 from datamodules.images import ImageClassificationDataModule
 from datamodules.language_modeling import LanguageModelingDataModule
+from datamodules.own_datamodule import share_out_training_samples
 from models.image_classifier import ImageClassifier
 from models.language_model import GPTLanguageModel
 from models.masked_language_model import BertMaskedLanguageModel
@@ -87,7 +89,7 @@ class CohortCLI(LightningCLI):
                     "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                     "init_args": {"save_dir": ".", "name": "lightning_logs"},
                 },
-                "use_distributed_sampler": False,  # the datamodule shards by rank itself
+                "use_distributed_sampler": False,  # each rank's samples are Cohort's choice (preflight.training_data)
                 # Lightning's table lists the metric modules and "Total Flops 0"; before_fit prints one line instead
                 "enable_model_summary": False,
                 "callbacks": [SameThreadsOnEveryRank(), PerRankSeed(), PrintPredictions()],
@@ -196,6 +198,9 @@ class CohortCLI(LightningCLI):
         read_sharded_folders(self.trainer)
         plan = self.run_plan.for_rank(self.trainer.global_rank)
         self.model.run_plan = self.datamodule.run_plan = plan
+        if not isinstance(self.datamodule, ShardedDataModule):  # one's own: Cohort shares its samples out
+            share_out_training_samples(self.datamodule, plan, self.trainer.global_rank,
+                                       current_step=lambda: self.trainer.global_step)
         self.trainer.accumulate_grad_batches = plan.accumulation
         val_every_n_steps = self.config[self.subcommand].val_every_n_steps
         if val_every_n_steps is not None:

@@ -32,7 +32,9 @@ from app.strategies.pipeline import PipelineParallelStrategy
 from core.errors import UserError, check_ranges, check_writable_folder
 from core.precision import precision_named
 from core.run_plan import ZERO_BUBBLE_SCHEDULES, RunPlan
+from datamodules.base import ShardedDataModule
 from datamodules.language_modeling import LanguageModelingDataModule, check_byte_level_prompts
+from datamodules.own_datamodule import read_training_loader
 from datamodules.prepare import DEFAULT_CORPUS_DIR
 from models.module import CohortModule
 
@@ -161,10 +163,11 @@ def check_config(config: Namespace) -> RunPlan:
 
 def resolve_run_plan(config: Namespace) -> RunPlan:
     """The strategy, the sizes and the batch arithmetic of the config: its run plan, or a UserError."""
-    trainer, data = config.trainer, config.data.init_args
+    trainer = config.trainer
     if trainer.use_distributed_sampler:
-        raise UserError("trainer.use_distributed_sampler must stay false: the datamodule gives each rank its "
-                        "own samples, and Lightning's sampler would reorder them")
+        raise UserError("trainer.use_distributed_sampler must stay false: Cohort gives each data-parallel rank its own "
+                        "training samples, with its own sampler (the same samples per step at any world size) or the "
+                        "datamodule's DistributedSampler")
     if trainer.accumulate_grad_batches != 1:
         raise UserError(f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches} is derived here: set "
                         "data.global_batch_size and data.micro_batch_size instead and leave it at 1")
@@ -179,7 +182,8 @@ def resolve_run_plan(config: Namespace) -> RunPlan:
     asynchronous = is_parameter_server(trainer.strategy)
     if asynchronous:
         check_asynchronous(config, world_size, precision.name)
-    replica_groups = check_fault_tolerance(config, world_size) if is_fault_tolerant(trainer.strategy) else 1
+    data = training_data(config, data_parallel, world_size)
+    replica_groups = check_fault_tolerance(config, data, world_size) if is_fault_tolerant(trainer.strategy) else 1
     return RunPlan(
         devices_per_node=devices_per_node(trainer), num_nodes=int(trainer.num_nodes),
         data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel,
@@ -187,14 +191,14 @@ def resolve_run_plan(config: Namespace) -> RunPlan:
         sequence_length=getattr(data, "sequence_length", 1),  # tokens per sample; an image counts as one
         precision=precision, seed=config.seed_everything,
         pipeline_parallel_size=pipeline, **pipeline_options(trainer),
-        unit=getattr(class_of(config.data.class_path), "unit", "tokens"),
+        unit=getattr(data, "unit", getattr(class_of(config.data.class_path), "unit", "tokens")),
         asynchronous_workers=world_size - 1 if asynchronous else 0, replica_groups=replica_groups,
     )
 
 
 def check_config_against_plan(config: Namespace, plan: RunPlan) -> None:
     """The options and the model family against the run plan: a UserError for what they cannot do with it."""
-    trainer, data = config.trainer, config.data.init_args
+    trainer, data = config.trainer, config.data.get("init_args") or Namespace()
     check_compression(getattr(config, "gradient_compression", None), trainer.strategy, plan.world_size)
     check_local_updates(config, plan.world_size)
     family = model_class(config)
@@ -208,6 +212,25 @@ def check_config_against_plan(config: Namespace, plan: RunPlan) -> None:
     if is_fsdp(trainer.strategy) and getattr(config.model.init_args, "activation_checkpointing", False):
         raise UserError("model.activation_checkpointing is for DDP and model_parallel; under fsdp set "
                         "trainer.strategy.init_args.activation_checkpointing_policy (see configs/trainer/fsdp_gpu_bf16.yaml)")
+
+
+def training_data(config: Namespace, data_parallel_size: int, world_size: int) -> Namespace:
+    """The data's side of the run plan (batch sizes, tokens per sample, unit, loader workers): a ShardedDataModule's
+    arguments as the config gives them; for a datamodule of one's own, what its training loader yields, refused in one
+    line where the ranks could not each read their own samples (datamodules/own_datamodule.py)."""
+    datamodule = class_of(config.data.class_path)
+    if issubclass(datamodule, ShardedDataModule):
+        return config.data.init_args
+    loader = read_training_loader(datamodule(**vars(config.data.get("init_args") or Namespace())))
+    strategy = config.trainer.strategy
+    by_number = ("the parameter server" if is_parameter_server(strategy) else
+                 "FaultTolerantStrategy" if is_fault_tolerant(strategy) else None)
+    loader.check_strategy(world_size, data_parallel_size, by_number)
+    groups = int(getattr(strategy.init_args, "replica_groups", FAULT_TOLERANT_DEFAULTS["replica_groups"])
+                 if is_fault_tolerant(strategy) else 1)
+    return Namespace(global_batch_size=loader.default_global_batch_size(data_parallel_size, groups),
+                     micro_batch_size=loader.micro_batch_size, sequence_length=loader.sequence_length,
+                     unit=loader.unit, num_workers=loader.num_workers)
 
 
 def check_family_honours_strategy(family: type[CohortModule], plan: RunPlan, strategy: str | Namespace | None) -> None:
@@ -330,7 +353,7 @@ def is_fault_tolerant(strategy: str | Namespace | None) -> bool:
     return strategy_name(strategy).endswith("FaultTolerantStrategy")
 
 
-def check_fault_tolerance(config: Namespace, world_size: int) -> int:
+def check_fault_tolerance(config: Namespace, data: Namespace, world_size: int) -> int:
     """A UserError for what fault-tolerant replica groups cannot run with; returns the number of groups."""
     field = "trainer.strategy.init_args"
     if importlib.util.find_spec("torchft") is None:
@@ -339,7 +362,7 @@ def check_fault_tolerance(config: Namespace, world_size: int) -> int:
         raise UserError(f"trainer.devices x trainer.num_nodes = {world_size} under FaultTolerantStrategy, whose replica "
                         f"groups are one process each: set trainer.devices 1 and num_nodes 1, and raise "
                         f"{field}.replica_groups instead")
-    workers = getattr(config.data.init_args, "num_workers", 0)
+    workers = getattr(data, "num_workers", 0)
     if workers:
         raise UserError(f"data.num_workers={workers}: a fault-tolerant group reads each step's samples once the step's "
                         "quorum has said which, so its loader must not read ahead: set data.num_workers 0")
@@ -353,7 +376,6 @@ def check_fault_tolerance(config: Namespace, world_size: int) -> int:
     check_ranges(field, {"replica_groups": (groups >= 1, "at least 1"),
                          "min_replicas": (1 <= fewest <= groups, f"between 1 and replica_groups={groups}"),
                          "max_restarts": (given["max_restarts"] >= 0, ">= 0")}, given)
-    data = config.data.init_args
     accumulation = data.global_batch_size // (data.micro_batch_size * groups)
     for quorum in range(fewest, groups):  # the full quorum's arithmetic is the run plan's check
         if accumulation and data.global_batch_size % (quorum * accumulation):

@@ -299,7 +299,7 @@ class RankMonitor(Callback):
             metrics.update({field.tag(f"rank{rank}"): value for rank, value in enumerate(values)})
         if self._pipeline is not None:
             metrics.update(self._bubble(window))
-        metrics.update(self.data_wait.judge(window, trainer.datamodule.num_workers))
+        metrics.update(self.data_wait.judge(window, getattr(trainer.train_dataloader, "num_workers", 0)))
         metrics.update(self.stragglers.judge(window, self.hosts, self._sync_measured))
         metrics.update(loss_departures(window, self.loss_alert_sigmas))
         self.summary.append(metrics)
