@@ -423,6 +423,18 @@ class KillAtStep(SignalAtStep):
         os.killpg(os.getpgid(0), self.signum)
 
 
+class CtrlCAtStep(SignalAtStep):
+    """Ctrl-C at a terminal: SIGINT to every process of the run (its process group), ``times`` times in a row."""
+
+    def __init__(self, step: int, micro_batch: int, times: int = 1) -> None:
+        super().__init__("SIGINT", step, micro_batch)
+        self.times = times
+
+    def send(self) -> None:
+        for _ in range(self.times):
+            os.killpg(os.getpgid(0), self.signum)
+
+
 class GradientAllReduceCounter(Callback):
     """Records, per rank, the training micro-batches whose backward all-reduced gradients (Cohort's DDP comm hook)."""
 
