@@ -424,15 +424,17 @@ class KillAtStep(SignalAtStep):
 
 
 class CtrlCAtStep(SignalAtStep):
-    """Ctrl-C at a terminal: SIGINT to every process of the run (its process group), ``times`` times in a row."""
+    """Ctrl-C at the terminal, ``times`` in a row: SIGINT to its foreground process group, where the run's processes
+    are, or under torchrun (whose workers have sessions of their own) torchrun's agent."""
 
     def __init__(self, step: int, micro_batch: int, times: int = 1) -> None:
         super().__init__("SIGINT", step, micro_batch)
         self.times = times
 
     def send(self) -> None:
+        terminal = os.getpgid(os.getppid()) if "TORCHELASTIC_RUN_ID" in os.environ else os.getpgid(0)
         for _ in range(self.times):
-            os.killpg(os.getpgid(0), self.signum)
+            os.killpg(terminal, self.signum)
 
 
 class GradientAllReduceCounter(Callback):
