@@ -36,16 +36,18 @@ def four_steps(debug_run_args: list[str]) -> list[str]:
 
 def test_validate_test_and_predict_leave_the_run_as_it_was(tmp_path: Path, four_steps: list[str],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each logs into a folder of its own in the run (its config.yaml says its own learning rate), and every file
-    the fit wrote, its config.yaml first, is byte for byte what it was."""
+    """Each logs into a folder of its own in the run whose checkpoint it reads, named by last or by its path (its
+    config.yaml says its own learning rate), and every file the fit wrote, its config.yaml first, is byte for byte
+    what it was."""
     fit_in_process(tmp_path, four_steps)
     before = run_files(tmp_path / RUN)
     monkeypatch.chdir(tmp_path)
-    commands = ("validate", "test", "predict")
-    for command in commands:
-        run_in_process([command, *four_steps, *QUIET, "--ckpt_path", "last", "--model.optimizer.learning_rate",
+    commands = {"validate": "last", "test": str(last_checkpoint(tmp_path).resolve()), "predict": "last"}
+    for command, checkpoint in commands.items():
+        run_in_process([command, *four_steps, *QUIET, "--ckpt_path", checkpoint, "--model.optimizer.learning_rate",
                         "3e-3", "--model.max_new_tokens", "2"], monkeypatch)
     assert run_files(tmp_path / RUN) == before
+    assert [path.name for path in (tmp_path / "lightning_logs").iterdir()] == ["version_0"]
     assert "learning_rate: 0.0006" in before["config.yaml"].decode()
     for command in commands:
         assert "learning_rate: 0.003" in (tmp_path / RUN / command / "config.yaml").read_text()

@@ -37,11 +37,23 @@ def log_beside_the_run(config: Namespace, subcommand: str, save_config_kwargs: d
     logger: at a config file name of its own), so that nothing of the run is written over."""
     if subcommand == "fit":
         return
-    if log_root(config.trainer) is None:
+    root = log_root(config.trainer)
+    if root is None:
         save_config_kwargs["config_filename"] = f"{subcommand}_config.yaml"
         return
     logger = config.trainer.logger.init_args
+    if logger.version is None and config.ckpt_path is not None:  # a run's checkpoint named by its path: that run's
+        logger.version = run_version_of(Path(config.ckpt_path), root)
     logger.sub_dir = str(Path(logger.sub_dir, subcommand)) if logger.sub_dir else subcommand  # inside a replica group's
+
+
+def run_version_of(checkpoint: Path, root: Path) -> str | None:
+    """The run folder (``version_N``) under ``root`` that holds ``checkpoint``; None for a checkpoint elsewhere."""
+    try:
+        folder = checkpoint.resolve().relative_to(root.resolve()).parts[0]
+    except ValueError:
+        return None
+    return folder if folder.startswith("version_") else None
 
 
 class RunConfig(SaveConfigCallback):
