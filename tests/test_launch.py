@@ -229,7 +229,8 @@ def test_dry_run_prints_the_lighthouse_and_the_replica_groups_command() -> None:
                                     "COHORT_RUN_VERSION=version_job7"]
 
 
-def test_ctrl_c_under_torchrun_checkpoints_the_step_every_rank_reached(tmp_path: Path, debug_run_args: list[str]) -> None:
+def test_ctrl_c_under_torchrun_checkpoints_the_step_every_rank_reached(tmp_path: Path,
+                                                                       debug_run_args: list[str]) -> None:
     """Ctrl-C reaches torchrun's agent alone (its workers have sessions of their own), which passes SIGINT on to
     each: both ranks finish step 5 and save it, and rank 0 says how to resume."""
     job = launch(["fit", *debug_run_args, *QUIET, *DDP_2, *batch_sizes(4, 2), "--trainer.max_steps", "20",
@@ -240,4 +241,5 @@ def test_ctrl_c_under_torchrun_checkpoints_the_step_every_rank_reached(tmp_path:
     assert job.returncode != 0
     assert ("cohort: stopped by SIGINT after step 5; lightning_logs/version_0/checkpoints/last.ckpt holds that step: "
             "resume with the same command and --ckpt_path last") in output, output[-3000:]
-    assert torch.load(tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)["global_step"] == 5
+    checkpoint = torch.load(tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 5

@@ -108,9 +108,9 @@ class Preflight:
                             "this model (a run's lightning_logs/version_N/checkpoints/last.ckpt, or last)")
         if config.ckpt_path is None and self.subcommand in ("validate", "test"):  # not the untrained weights unasked
             raise UserError(f"{self.subcommand} scores a checkpoint, and none was named (or last found none): pass "
-                            "--ckpt_path with a checkpoint of this model (a run's "
-                            f"lightning_logs/version_N/checkpoints/last.ckpt, or last), or --ckpt_path {INITIAL_WEIGHTS} "
-                            "to score the weights the seed initialises")
+                            "--ckpt_path with a checkpoint of this model (a run's lightning_logs/version_N/checkpoints/"
+                            f"last.ckpt, or last), or --ckpt_path {INITIAL_WEIGHTS} to score the weights the seed "
+                            "initialises")
         if config.ckpt_path == INITIAL_WEIGHTS and self.subcommand in ("validate", "test"):
             config.ckpt_path = None
             return f"the initial weights of seed {config.seed_everything}"

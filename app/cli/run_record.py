@@ -112,7 +112,7 @@ def max_steps_change(trainer: L.Trainer, max_steps_before: int) -> str:
     if not trainer.lr_scheduler_configs:
         return f"{line}: no learning-rate schedule depends on it"
     scheduler = trainer.lr_scheduler_configs[0].scheduler
-    planned = scheduler.get_last_lr()[0]  # restored from the checkpoint: the first plan's rate for this step
+    planned = scheduler.get_last_lr()[0]  # restored from the checkpoint: the rate its run planned for this step
     with warnings.catch_warnings():  # torch warns that get_lr is meant for step(); here it is asked on purpose
         warnings.simplefilter("ignore")
         replanned = scheduler.get_lr()[0]  # the new plan's rate for this step

@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 from types import FrameType
+from typing import Any
 
 import lightning as L
 import torch
@@ -67,6 +68,7 @@ class PreemptionCheckpoint(Callback):
         self.requeue_requested = 0  # the requeue signal's number once received
         self.stopped_by: signal.Signals | None = None  # set once all ranks stopped for a signal
         self.requeued = False
+        self._interrupt_handler: Any = None  # SIGINT's handler before training, put back after it
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # replaces Lightning's own SIGTERM handler, which stops the run without a checkpoint and exits 0, and the
@@ -87,11 +89,11 @@ class PreemptionCheckpoint(Callback):
                        f"{self.stop_signal.name} and Ctrl-C (SIGINT) will checkpoint and stop")
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == "fit" and hasattr(self, "_interrupt_handler"):  # training is over: Ctrl-C interrupts again
+        if stage == "fit" and self._interrupt_handler is not None:  # training is over: Ctrl-C interrupts again
             signal.signal(signal.SIGINT, self._interrupt_handler)
 
     def _record_request(self, signum: int, frame: FrameType | None) -> None:
-        # nothing else is safe inside a signal handler
+        # only recorded: the ranks act on it together at the next step end
         if signum == self.requeue_signal:
             self.requeue_requested = signum
         else:
@@ -113,7 +115,8 @@ class PreemptionCheckpoint(Callback):
             except TimeoutError:
                 break
             if interrupted and later in stops:
-                by = "a second Ctrl-C (SIGINT)" if later == signal.SIGINT else f"{signal.Signals(later).name} after Ctrl-C"
+                by = ("a second Ctrl-C (SIGINT)" if later == signal.SIGINT
+                      else f"{signal.Signals(later).name} after Ctrl-C")  # torchrun's agent, interrupted again
                 if is_global_zero:
                     print(f"cohort: stopped at once by {by}, without the checkpoint of the step reached; resume from "
                           "the newest checkpoint with the same command and --ckpt_path last", file=sys.stderr,
