@@ -104,13 +104,22 @@ def test_ctrl_c_checkpoints_the_step_reached_says_how_to_resume_and_exits_130(tm
 @pytest.mark.slow
 def test_ctrl_c_on_two_processes_checkpoints_the_step_every_rank_reached(tmp_path: Path,
                                                                         four_steps: list[str]) -> None:
-    """Both ranks of DDP-2 hear the SIGINT (the terminal's process group), finish step 5 and save it."""
+    """Both ranks of DDP-2 hear the SIGINT (the terminal's process group), finish step 5 and save it; resumed on one
+    process, the run's record says which steps ran on which layout."""
     result = run_cohort(["fit", *four_steps, *QUIET, *DDP_2, "--trainer.max_steps", "20",
                          "--trainer.callbacks+=tests.helpers.CtrlCAtStep", "--trainer.callbacks.step=4",
                          "--trainer.callbacks.micro_batch=0"], cwd=tmp_path)
     assert result.returncode == 130, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1] == STOPPED_BY_CTRL_C
     assert torch.load(last_checkpoint(tmp_path), weights_only=True)["global_step"] == 5
+
+    fit_in_process(tmp_path, four_steps, "--trainer.max_steps", "6", "--ckpt_path", "last")
+    [resume] = yaml.safe_load((tmp_path / RUN / "resumes.yaml").read_text())
+    assert resume["step"] == 5
+    assert resume["changed"].keys() == {"trainer.devices", "trainer.strategy", "trainer.max_steps",
+                                        "trainer.callbacks"}  # the first run's had CtrlCAtStep
+    assert [resume["changed"][key] for key in ("trainer.devices", "trainer.strategy", "trainer.max_steps")] == [
+        {"first": "2", "now": "auto"}, {"first": "ddp", "now": "auto"}, {"first": 20, "now": 6}]
 
 
 def test_a_second_ctrl_c_ends_the_run_at_once(tmp_path: Path, four_steps: list[str]) -> None:
