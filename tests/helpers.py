@@ -425,7 +425,9 @@ class KillAtStep(SignalAtStep):
 
 class CtrlCAtStep(SignalAtStep):
     """Ctrl-C at the terminal, ``times`` in a row: SIGINT to its foreground process group, where the run's processes
-    are, or under torchrun (whose workers have sessions of their own) torchrun's agent."""
+    are, or under torchrun (whose workers have sessions of their own) torchrun's agent. More than once only on one
+    process: the sender takes each SIGINT before its kill returns, but another process that has not yet taken the
+    first would take the two as one."""
 
     def __init__(self, step: int, micro_batch: int, times: int = 1) -> None:
         super().__init__("SIGINT", step, micro_batch)
