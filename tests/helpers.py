@@ -426,6 +426,22 @@ class KillAtStep(SignalAtStep):
         os.killpg(os.getpgid(0), self.signum)
 
 
+class CtrlCAtStep(SignalAtStep):
+    """Ctrl-C at the terminal, ``times`` in a row: SIGINT to its foreground process group, where the run's processes
+    are, or under torchrun (whose workers have sessions of their own) torchrun's agent. More than once only on one
+    process: the sender takes each SIGINT before its kill returns, but another process that has not yet taken the
+    first would take the two as one."""
+
+    def __init__(self, step: int, micro_batch: int, times: int = 1) -> None:
+        super().__init__("SIGINT", step, micro_batch)
+        self.times = times
+
+    def send(self) -> None:
+        terminal = os.getpgid(os.getppid()) if "TORCHELASTIC_RUN_ID" in os.environ else os.getpgid(0)
+        for _ in range(self.times):
+            os.killpg(terminal, self.signum)
+
+
 class GradientAllReduceCounter(Callback):
     """Records, per rank, the training micro-batches whose backward all-reduced gradients (Cohort's DDP comm hook)."""
 

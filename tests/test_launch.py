@@ -227,3 +227,19 @@ def test_dry_run_prints_the_lighthouse_and_the_replica_groups_command() -> None:
     assert lines[0].split() == ["torchft_lighthouse", "--min_replicas", "1", "--bind", r"\[::\]:29510", "&"]
     assert lines[1].split()[:4] == ["env", "COHORT_REPLICA_GROUP=1", "TORCHFT_LIGHTHOUSE=http://node0:29510",
                                     "COHORT_RUN_VERSION=version_job7"]
+
+
+def test_ctrl_c_under_torchrun_checkpoints_the_step_every_rank_reached(tmp_path: Path,
+                                                                       debug_run_args: list[str]) -> None:
+    """Ctrl-C reaches torchrun's agent alone (its workers have sessions of their own), which passes SIGINT on to
+    each: both ranks finish step 5 and save it, and rank 0 says how to resume."""
+    job = launch(["fit", *debug_run_args, *QUIET, *DDP_2, *batch_sizes(4, 2), "--trainer.max_steps", "20",
+                  "--trainer.callbacks+=tests.helpers.CtrlCAtStep", "--trainer.callbacks.step=4",
+                  "--trainer.callbacks.micro_batch=0"], tmp_path, NPROC_PER_NODE="2", MAX_RESTARTS="0",
+                 MASTER_PORT=str(free_port()))
+    output = outputs_of([job], timeout=300)[0]
+    assert job.returncode != 0
+    assert ("cohort: stopped by SIGINT after step 5; lightning_logs/version_0/checkpoints/last.ckpt holds that step: "
+            "resume with the same command and --ckpt_path last") in output, output[-3000:]
+    checkpoint = torch.load(tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 5

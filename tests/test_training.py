@@ -173,7 +173,8 @@ def test_validation_loss_is_the_same_on_one_and_two_processes(tmp_path: Path, de
         run_dir.mkdir()
         losses.append(validate(run_dir, [*debug_run_args, "--data.val_samples", "9", "--trainer.limit_val_batches",
                                          "1.0", "--trainer.devices", str(processes),
-                                         "--trainer.strategy", "ddp" if processes > 1 else "auto"]))
+                                         "--trainer.strategy", "ddp" if processes > 1 else "auto",
+                                         "--ckpt_path", "initial"]))
     assert losses[0] == pytest.approx(losses[1], rel=SAME_VALIDATION_LOSS)
 
 

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from app.cli.commands import DESCRIPTION, LIGHTNING_COMMANDS, describe
 from app.cli.preflight import Preflight, accelerator_name, check_config, resolve_precision
+from app.cli.run_record import RunConfig, log_beside_the_run
 from app.cli.samples import PrintPredictions
 from app.observability.flight_recorder import NcclFlightRecorder
 from app.observability.monitor import RankMonitor
@@ -95,7 +96,9 @@ class CohortCLI(LightningCLI):
                 "callbacks": [SameThreadsOnEveryRank(), PerRankSeed(), PrintPredictions()],
             },
             parser_class=CohortArgumentParser,
-            save_config_kwargs={"overwrite": True},  # a resumed run rewrites its own config.yaml
+            # a resumed fit keeps its run's first config.yaml; other commands log into a folder of their own
+            save_config_callback=RunConfig,
+            save_config_kwargs={"overwrite": True},  # what a command writes again is its own
             parser_kwargs=self.parser_descriptions(),
             args=args,
             run=run,
@@ -179,6 +182,7 @@ class CohortCLI(LightningCLI):
                 class_path="lightning.fabric.plugins.environments.SLURMEnvironment",
                 init_args=Namespace(auto_requeue=False))]
         self.run_plan = Preflight(config, self.subcommand).run()
+        log_beside_the_run(config, self.subcommand, self.save_config_kwargs)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """Lightning's trainer, with StepProgress where Lightning would add its own bar: when the progress bar is on

@@ -115,6 +115,14 @@ class Preflight:
         if config.ckpt_path is None and self.subcommand == "predict":
             raise UserError("predict continues prompts with trained weights: pass --ckpt_path with a checkpoint of "
                             "this model (a run's lightning_logs/version_N/checkpoints/last.ckpt, or last)")
+        if config.ckpt_path is None and self.subcommand in ("validate", "test"):  # not the untrained weights unasked
+            raise UserError(f"{self.subcommand} scores a checkpoint, and none was named (or last found none): pass "
+                            "--ckpt_path with a checkpoint of this model (a run's lightning_logs/version_N/checkpoints/"
+                            f"last.ckpt, or last), or --ckpt_path {INITIAL_WEIGHTS} to score the weights the seed "
+                            "initialises")
+        if config.ckpt_path == INITIAL_WEIGHTS and self.subcommand in ("validate", "test"):
+            config.ckpt_path = None
+            return f"the initial weights of seed {config.seed_everything}"
         if config.ckpt_path in (None, "last"):
             return "a new run" if config.ckpt_path is None else "Lightning's own lookup of the last checkpoint"
         check_checkpoint(Path(config.ckpt_path), config.model, config.weights_only)
@@ -151,6 +159,9 @@ class Preflight:
             if folder is not None:
                 check_writable_folder(Path(folder), what)
         return ", ".join(str(folder) for folder in folders.values() if folder is not None) + " writable"
+
+
+INITIAL_WEIGHTS = "initial"  # --ckpt_path for validate and test to score the untrained weights on purpose
 
 
 def check_config(config: Namespace) -> RunPlan:

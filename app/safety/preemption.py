@@ -9,6 +9,13 @@ not). After SIGUSR1 inside a SLURM job rank 0 then asks SLURM to requeue the job
 ``--ckpt_path last``. Otherwise the run stops: ``cohort`` exits with 128 + the signal's number (143 for SIGTERM)
 and one line saying how to resume, so a scheduler never takes the stop for success.
 
+Ctrl-C (SIGINT) stops the same way (exit 130): Lightning's own handling of it (the KeyboardInterrupt in its
+``_call_and_handle_interrupt``) tears the run down at once, without a checkpoint of the step reached. A terminal sends
+it to every process in its foreground group, so to every rank that Lightning's launcher started; torchrun's agent,
+whose workers have sessions of their own, hears it and passes it on to each. A second Ctrl-C ends every process at
+once, without the checkpoint: the terminal's second SIGINT, or the SIGTERM that torchrun's agent sends its workers
+when its own shutdown is interrupted.
+
 A rank can also fail to reach that step: blocked in a collective with a peer that hangs. Python runs the handler
 only between bytecodes, never while a collective waits, so a thread hears each signal through the wakeup fd the
 moment it arrives; if the process is still alive ``grace_seconds`` later, it ends it with the same exit code and one
@@ -27,6 +34,7 @@ import sys
 import threading
 import time
 from types import FrameType
+from typing import Any
 
 import lightning as L
 import torch
@@ -56,13 +64,17 @@ class PreemptionCheckpoint(Callback):
         self.stop_signal = signal.Signals[stop_signal]
         self.requeue = requeue
         self.grace_seconds = grace_seconds
-        self.requested = 0  # the number of the signal received, 0 for none
+        self.stop_requested = 0  # the number of the stop signal (stop_signal or SIGINT) received, 0 for none
+        self.requeue_requested = 0  # the requeue signal's number once received
         self.stopped_by: signal.Signals | None = None  # set once all ranks stopped for a signal
         self.requeued = False
+        self._interrupt_handler: Any = None  # SIGINT's handler before training, put back after it
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # replaces Lightning's own SIGTERM handler, which stops the run without a checkpoint and exits 0
-        for signum in (self.requeue_signal, self.stop_signal):
+        # replaces Lightning's own SIGTERM handler, which stops the run without a checkpoint and exits 0, and the
+        # interpreter's SIGINT one, whose KeyboardInterrupt Lightning answers by ending the run without one
+        self._interrupt_handler = signal.getsignal(signal.SIGINT)
+        for signum in (self.requeue_signal, self.stop_signal, signal.SIGINT):
             signal.signal(signum, self._record_request)
         heard, self._wakeup = socket.socketpair()  # kept: the socket closes when collected
         self._wakeup.setblocking(False)  # the interpreter's C-level handler writes each signal's number here at once
@@ -74,17 +86,43 @@ class PreemptionCheckpoint(Callback):
             self._group = cpu_group_over_every_rank()
         then = "requeue the job" if self.requeue and "SLURM_JOB_ID" in os.environ else "stop"
         rank_zero_info(f"preemption: {self.requeue_signal.name} will checkpoint at the next step and {then}; "
-                       f"{self.stop_signal.name} will checkpoint and stop")
+                       f"{self.stop_signal.name} and Ctrl-C (SIGINT) will checkpoint and stop")
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit" and self._interrupt_handler is not None:  # training is over: Ctrl-C interrupts again
+            signal.signal(signal.SIGINT, self._interrupt_handler)
 
     def _record_request(self, signum: int, frame: FrameType | None) -> None:
-        self.requested = max(self.requested, signum)  # nothing else is safe inside a signal handler
+        # only recorded: the ranks act on it together at the next step end
+        if signum == self.requeue_signal:
+            self.requeue_requested = signum
+        else:
+            self.stop_requested = max(self.stop_requested, signum)
 
     def _end_after_grace(self, heard: socket.socket, is_global_zero: bool) -> None:
-        """Waits for a stop or requeue signal, then ``grace_seconds``; a process still alive then is stuck."""
+        """Waits for a stop or requeue signal, then ``grace_seconds``; a process still alive then is stuck. A second
+        stop after a Ctrl-C ends the process at once."""
+        stops = (self.stop_signal, signal.SIGINT)
         signum = 0
-        while signum not in (self.requeue_signal, self.stop_signal):
+        while signum not in (self.requeue_signal, *stops):
             signum = heard.recv(1)[0]
-        time.sleep(self.grace_seconds)
+        interrupted = signum == signal.SIGINT
+        deadline = time.monotonic() + self.grace_seconds
+        while (left := deadline - time.monotonic()) > 0:
+            heard.settimeout(left)
+            try:
+                later = heard.recv(1)[0]
+            except TimeoutError:
+                break
+            if interrupted and later in stops:
+                by = ("a second Ctrl-C (SIGINT)" if later == signal.SIGINT
+                      else f"{signal.Signals(later).name} after Ctrl-C")  # torchrun's agent, interrupted again
+                if is_global_zero:
+                    print(f"cohort: stopped at once by {by}, without the checkpoint of the step reached; resume from "
+                          "the newest checkpoint with the same command and --ckpt_path last", file=sys.stderr,
+                          flush=True)
+                os._exit(128 + signal.SIGINT)
+            interrupted = interrupted or later == signal.SIGINT
         if is_global_zero:
             print(f"cohort: stopped by {signal.Signals(signum).name} without a checkpoint: the ranks did not reach a "
                   f"step and save it within preemption.grace_seconds={self.grace_seconds:g} (a rank blocked in a "
@@ -96,11 +134,12 @@ class PreemptionCheckpoint(Callback):
                            batch_idx: int) -> None:
         if not run_plan_of(pl_module).ends_optimizer_step(batch_idx):
             return  # only optimizer-step boundaries are resumable points
-        requested = torch.tensor([float(self.requested)])
-        if self._group is not None:  # any rank's signal stops all here; SIGTERM (15) outranks SIGUSR1 (10)
+        requested = torch.tensor([float(self.stop_requested), float(self.requeue_requested)])
+        if self._group is not None:  # any rank's signal stops all here
             dist.all_reduce(requested, op=dist.ReduceOp.MAX, group=self._group)
-        if requested.item() > 0:
-            self.stopped_by = signal.Signals(int(requested.item()))
+        stop, requeue = (int(value) for value in requested.tolist())
+        if stop or requeue:
+            self.stopped_by = signal.Signals(stop or requeue)  # a stop outranks a requeue
             trainer.should_stop = True  # the checkpoint callback writes last.ckpt for this step as training ends
             rank_zero_info(f"preemption: {self.stopped_by.name} received, stopping after step {trainer.global_step} "
                            "to checkpoint")
