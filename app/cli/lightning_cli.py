@@ -23,6 +23,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from app.cli.argument_errors import UNIMPORTABLE, one_line
 from app.cli.commands import DESCRIPTION, LIGHTNING_COMMANDS, describe
 from app.cli.preflight import Preflight, accelerator_name, check_config, resolve_precision
 from app.cli.samples import PrintPredictions
@@ -49,10 +50,12 @@ from models.module import DERIVED_FROM_DATA, CohortModule, class_path_of
 
 
 class CohortArgumentParser(LightningArgumentParser):
-    """Lightning's parser, with one line instead of jsonargparse's nested report for a class_path that names no
-    model family or datamodule."""
+    """Lightning's parser, with one line instead of jsonargparse's usage or nested report for whatever it refuses
+    (app/cli/argument_errors.py), and a class_path that names no model family or datamodule named as such."""
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:  # a parser jsonargparse made for a class's arguments: it catches this itself
+            super().error(message, ex)
         key = re.match(r'Parser key "(model|data)"', message)
         problem = re.search(r"class_path '([^']+)':\s*(.*?)\n\s*- Expected a <class 'NoneType'>", message, re.DOTALL)
         if key and ("not correspond to a subclass" in message or (problem and UNIMPORTABLE.search(problem[2]))):
@@ -60,18 +63,12 @@ class CohortArgumentParser(LightningArgumentParser):
             kind, known = {"model": ("model family", FAMILIES), "data": ("datamodule", DATAMODULES)}[key[1]]
             raise UserError(f"{key[1]}.class_path {given!r} is not a {kind} Cohort can import: use one of "
                             + ", ".join(class_path_of(cls) for cls in known))
-        if key and problem:  # the class refused a value: jsonargparse nests the reason three levels deep
-            reason = re.sub(r'Parser key "([^"]+)":', rf"{key[1]}.\1:", " ".join(problem[2].split()))
-            reason = reason if reason.startswith(f"{key[1]}.") else f"{key[1]}: {reason}"
-            raise UserError(f"{reason} ({key[1]} is {problem[1]}; cohort fit --print_config lists its fields)")
-        super().error(message, ex)
+        raise UserError(one_line(self, message, ex))
 
 
 # what the shipped configs name (a class of one's own that subclasses CohortModule or LightningDataModule works too)
 FAMILIES = (GPTLanguageModel, BertMaskedLanguageModel, ImageClassifier)
 DATAMODULES = (LanguageModelingDataModule, ImageClassificationDataModule)
-# what jsonargparse says of a class_path that names no class it can import
-UNIMPORTABLE = re.compile(r"has no attribute|No module named|not accessible or invalid")
 
 
 class CohortCLI(LightningCLI):
@@ -198,7 +195,7 @@ class CohortCLI(LightningCLI):
         self.model.run_plan = self.datamodule.run_plan = plan
         self.trainer.accumulate_grad_batches = plan.accumulation
         val_every_n_steps = self.config[self.subcommand].val_every_n_steps
-        if val_every_n_steps is not None:
+        if val_every_n_steps is not None and not self.trainer.fast_dev_run:  # which validates after its one batch
             self.trainer.val_check_interval = val_every_n_steps * plan.accumulation  # Lightning counts micro-batches
 
     def before_fit(self) -> None:
