@@ -312,3 +312,35 @@ def test_a_rank_that_dies_mid_run_stops_the_other_with_one_line(debug_run_args: 
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("cohort: error: another process of this run ended in the middle of a step"), last_line
     assert "--ckpt_path last" in last_line
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_stops_the_other_with_one_line(debug_run_args: list[str], tmp_path: Path) -> None:
+    """Rank 1 of 2 stopped (SIGSTOP) in step 4: rank 0's collective times out, and it says in one line which rank
+    never answered, after which step, the checkpoint kept and how to resume, instead of gloo's traceback. The
+    timeout is 30 s, not less: it also bounds the start-up rendezvous, which a busy machine may take seconds for."""
+    result = run_cohort(["fit", *debug_run_args, *QUIET, "-c", str(CONFIG_DIR / "trainer/ddp_cpu.yaml"),
+                         "--trainer.strategy.init_args.timeout", "0:00:30", "--trainer.max_steps", "50",
+                         *batch_sizes(4, 2), "--checkpoint.every_n_train_steps", "2",
+                         "--trainer.callbacks+=tests.helpers.StopRank", "--trainer.callbacks.rank=1",
+                         "--trainer.callbacks.step=3"], cwd=tmp_path, timeout=240)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("cohort: error: rank 0 waited in a collective after step 3 for rank 1, which never "
+                                "answered within trainer.strategy.init_args.timeout"), last_line
+    assert "checkpoints/last.ckpt is kept" in last_line and "--ckpt_path last" in last_line, last_line
+    assert not stopped_processes_running_in(tmp_path), "the hung rank must not outlive the run"
+
+
+def stopped_processes_running_in(folder: Path) -> list[int]:
+    """The ids of this user's stopped (SIGSTOP) processes whose working folder is ``folder``."""
+    stopped = []
+    for process in Path("/proc").iterdir():
+        try:
+            state = (process / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state == "T" and (process / "cwd").resolve() == folder.resolve():
+                stopped.append(int(process.name))
+        except (OSError, IndexError):  # not a process, or one that ended meanwhile
+            continue
+    return stopped

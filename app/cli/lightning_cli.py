@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -198,6 +199,21 @@ class CohortCLI(LightningCLI):
         if val_every_n_steps is not None and not self.trainer.fast_dev_run:  # which validates after its one batch
             self.trainer.val_check_interval = val_every_n_steps * plan.accumulation  # Lightning counts micro-batches
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Lightning's; a collective that timed out (a rank that hangs) ends in one line saying what it means for
+        the run, instead of gloo's or NCCL's traceback."""
+        try:
+            super()._run_subcommand(subcommand)
+        except RuntimeError as error:
+            if not COLLECTIVE_TIMEOUT.search(str(error)):
+                raise
+            # the ranks Lightning's launcher started here (none under torchrun or srun): a hung one would otherwise
+            # live on, holding its memory and GPU
+            kill = getattr(self.trainer.strategy.launcher, "kill", None)
+            if kill is not None:
+                kill(signal.SIGKILL)
+            raise UserError(stopped_answering(self.trainer)) from error
+
     def before_fit(self) -> None:
         rank_zero_info(f"model: {self.model.describe()}")
         rank_zero_info(f"batch plan: {self.run_plan.describe()}")
@@ -234,6 +250,27 @@ def run_cli(args: list[str] | None) -> None:
 USER_ERRORS = (UserError, MisconfigurationException, ReplicaDivergenceError, WorkerLost)  # one line: what to do
 # what gloo says on a rank whose peer's process ended mid-collective (the peer's sockets closed with it)
 LOST_PEER = re.compile(r"Connection (closed|reset) by peer")
+
+
+# what gloo (on the rank that waited, or on one whose peer gave up waiting) and NCCL's watchdog say of a collective
+# that did not complete within the process group's timeout
+COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting \d+ms for (recv|send) operation|Application timeout caused pair "
+                                r"closure|Watchdog caught collective operation timeout")
+
+
+def stopped_answering(trainer: Trainer) -> str:
+    """What a collective timeout means for the run: which rank did not answer (where there is only one other),
+    after which step, the checkpoint kept and how to resume. Reads nothing that would need the ranks to meet again
+    (Trainer.log_dir broadcasts)."""
+    others = [rank for rank in range(trainer.world_size) if rank != trainer.global_rank]
+    silent = f"rank {others[0]}" if len(others) == 1 else f"one of the other {len(others)} ranks"
+    checkpoint = trainer.checkpoint_callback
+    kept = f"{os.path.normpath(checkpoint.last_model_path)} is kept" if checkpoint and checkpoint.last_model_path \
+        else "no checkpoint was written yet"
+    return (f"rank {trainer.global_rank} waited in a collective after step {trainer.global_step} for "
+            f"{silent}, which never answered within trainer.strategy.init_args.timeout (hung, stopped, or its node "
+            f"unreachable): {kept}; find why it hung (its own output; py-spy dump --pid), then resume with the same "
+            "command and --ckpt_path last")
 
 
 def run_reporting_errors(command: Callable[[Any], object], args: Any) -> None:
