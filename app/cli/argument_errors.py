@@ -34,39 +34,45 @@ def one_line(parser: ArgumentParser, message: str, error: Exception | None) -> s
     """The line for what ``parser`` (the subcommand's, or the root's) refused, as jsonargparse worded it."""
     parser = getattr(error, "subcommand_parser", None) or parser  # a config file's key is checked by the root
     help_hint = f"{parser.prog.replace(' [options]', '')} --help lists every option"
-    missing_file = re.search(r'Parser key "config": File does not exist: \'(.*)\'', message)
+    missing_file = re.match(r'Parser key "config": File does not exist: \'(.*)\'', message)
     if missing_file:
         return missing_config_file(Path(missing_file[1]))
     unknown = UNKNOWN_ON_COMMAND_LINE.match(message) or UNKNOWN_IN_CONFIG.match(message)
     if unknown:
         return f"unknown option {unknown[1]}{nearest(unknown[1], keys_of(parser))}: {help_hint}"
-    key = re.match(r'Parser key "([^"]+)":', message)
-    problem = CLASS_PROBLEM.search(message)
-    if key and problem and (refused := UNKNOWN_IN_CLASS.search(problem[2]) or UNKNOWN_ON_COMMAND_LINE.search(
-            problem[2])):
-        name = ".".join(part for part in refused.groups() if part)
-        known = keys_of_class(problem[1])
-        return (f"unknown option {key[1]}.{name}{nearest(name, known, prefix=key[1] + '.')} ({key[1]} is "
-                f"{problem[1]}): {help_hint}")
-    if key and problem and UNIMPORTABLE.search(problem[2]):
-        return (f"{key[1]}: the class_path {problem[1]!r} cannot be imported ({' '.join(problem[2].split())}): "
-                "give a class that can be imported, such as those in configs/")
-    if key and problem:  # the class refused a value: its reason, without the three levels around it
-        reason = re.sub(r'Parser key "([^"]+)":', rf"{key[1]}.\1:", " ".join(problem[2].split()))
-        reason = reason if reason.startswith(f"{key[1]}.") else f"{key[1]}: {reason}"
-        return f"{reason} ({key[1]} is {problem[1]}; {help_hint.replace('lists every option', 'lists its fields')})"
     if message.startswith("Problems parsing config"):
         return f"a config file is not valid YAML: {' '.join(message.split(':', 1)[1].split())}"
+    key = re.match(r'Parser key "([^"]+)":', message)
+    if key is None:  # argparse's own, already one line ("argument --trainer.max_steps: expected one argument")
+        return f"{' '.join(message.split())} ({help_hint})"
+    problem = CLASS_PROBLEM.search(message)
+    if problem:
+        return class_refusal(key[1], problem[1], " ".join(problem[2].split()), help_hint)
     nested = NESTED.search(message)
-    if key and nested:
+    if nested:
         return (f"{key[1]}.{nested[1]}={nested[2]} cannot be set: {key[1]} names no class with arguments (set "
                 f"{key[1]}.class_path, or use a preset from configs/trainer/)")
     given = re.search(r"Given value: (.*)", message)
-    reasons = [" ".join(line.split()).removeprefix("- ") for line in UNION_NOISE.sub("", message).splitlines()
+    reasons = [" ".join(line.split()).removeprefix("- ") for line in UNION_NOISE.sub("", message).splitlines()[1:]
                if line.strip() and not line.strip().startswith("Given value:")]
-    if key:
-        reasons[0] = f"{key[1]}={given[1]} is refused:" if given else f"{key[1]}:"
-    return " ".join([reasons[0], "; ".join(reasons[1:]), f"({help_hint} and its type)"]).replace("  ", " ")
+    refused = f"{key[1]}={given[1]} is refused:" if given else f"{key[1]}:"
+    return f"{refused} {'; '.join(reasons)} ({help_hint} and its type)"
+
+
+def class_refusal(key: str, class_path: str, reason: str, help_hint: str) -> str:
+    """The line for the class that ``key`` names refusing its arguments (``reason``, jsonargparse's): an unknown
+    one, with the nearest of the class's own; a class that cannot be imported; a value of the wrong type."""
+    unknown = UNKNOWN_IN_CLASS.search(reason) or UNKNOWN_ON_COMMAND_LINE.search(reason)
+    if unknown:
+        name = ".".join(part for part in unknown.groups() if part)
+        hint = nearest(name, keys_of_class(class_path), prefix=f"{key}.")
+        return f"unknown option {key}.{name}{hint} ({key} is {class_path}): {help_hint}"
+    if UNIMPORTABLE.search(reason):
+        return (f"{key}: the class_path {class_path!r} cannot be imported ({reason}): give a class that can be "
+                "imported, such as those in configs/")
+    reason = re.sub(r'Parser key "([^"]+)":', rf"{key}.\1:", reason)  # the class's own key, within ``key``
+    reason = reason if reason.startswith(f"{key}.") else f"{key}: {reason}"
+    return f"{reason} ({key} is {class_path}; {help_hint.replace('lists every option', 'lists its fields')})"
 
 
 def missing_config_file(path: Path) -> str:
