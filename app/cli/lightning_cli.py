@@ -264,13 +264,18 @@ def stopped_answering(trainer: Trainer) -> str:
     (Trainer.log_dir broadcasts)."""
     others = [rank for rank in range(trainer.world_size) if rank != trainer.global_rank]
     silent = f"rank {others[0]}" if len(others) == 1 else f"one of the other {len(others)} ranks"
-    checkpoint = trainer.checkpoint_callback
-    kept = f"{os.path.normpath(checkpoint.last_model_path)} is kept" if checkpoint and checkpoint.last_model_path \
-        else "no checkpoint was written yet"
+    checkpoint, logger = trainer.checkpoint_callback, trainer.logger
+    kept, resume = "no checkpoint was written yet", "--ckpt_path last"
+    if checkpoint is not None and checkpoint.last_model_path:
+        kept = f"{os.path.normpath(checkpoint.last_model_path)} is kept"
+        in_run_folder = logger is not None and logger.log_dir is not None and checkpoint.dirpath is not None and (
+            Path(checkpoint.dirpath).resolve() == Path(logger.log_dir, "checkpoints").resolve())
+        # --ckpt_path last looks in the logger's run folders only
+        resume = resume if in_run_folder else f"--ckpt_path {os.path.normpath(checkpoint.last_model_path)}"
     return (f"rank {trainer.global_rank} waited in a collective after step {trainer.global_step} for "
             f"{silent}, which never answered within trainer.strategy.init_args.timeout (hung, stopped, or its node "
             f"unreachable): {kept}; find why it hung (its own output; py-spy dump --pid), then resume with the same "
-            "command and --ckpt_path last")
+            f"command and {resume}")
 
 
 def run_reporting_errors(command: Callable[[Any], object], args: Any) -> None:
