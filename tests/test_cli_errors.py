@@ -17,7 +17,7 @@ import torch
 from datamodules.prepare import prepare_corpus
 from tests.helpers import (
     CONFIG_DIR, DDP_2, ONE_STEP, QUIET, assert_one_line_error, assert_one_line_error_in_process, batch_sizes, fit,
-    last_checkpoint, run_cohort, run_folders, run_in_process,
+    last_checkpoint, one_line_error, run_cohort, run_folders, run_in_process,
 )
 
 
@@ -282,6 +282,16 @@ def test_fast_dev_run_runs_one_batch_of_each_and_writes_nothing(fit_args: list[s
     monkeypatch.chdir(tmp_path)
     run_in_process([*fit_args, "--val_every_n_steps", "2", "--trainer.fast_dev_run", "true"], monkeypatch)
     assert run_folders(tmp_path) == []
+
+
+def test_validation_less_often_than_once_an_epoch_is_one_line(fit_args: list[str], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning, validating per epoch, refuses an interval longer than the epoch in a traceback, once the data
+    is loaded (so after the run folder is made)."""
+    monkeypatch.chdir(tmp_path)
+    message = one_line_error([*fit_args, "--trainer.limit_train_batches", "2", "--val_every_n_steps", "100"],
+                             monkeypatch)
+    assert "val_every_n_steps=100 is 400 micro-batches, more than the 2 of one epoch" in message, message
 
 
 def test_a_command_run_in_this_process_leaves_the_process_as_it_was(fit_args: list[str], tmp_path: Path,

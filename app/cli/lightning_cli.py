@@ -201,9 +201,19 @@ class CohortCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         """Lightning's; a collective that timed out (a rank that hangs) ends in one line saying what it means for
-        the run, instead of gloo's or NCCL's traceback."""
+        the run, instead of gloo's or NCCL's traceback, and a validation interval longer than an epoch in one line
+        instead of Lightning's traceback."""
         try:
             super()._run_subcommand(subcommand)
+        except ValueError as error:
+            beyond = VALIDATION_BEYOND_EPOCH.search(str(error))
+            if beyond is None:
+                raise
+            every = self.config[subcommand].get("val_every_n_steps")
+            asked = f"val_every_n_steps={every}" if every is not None else "trainer.val_check_interval"
+            raise UserError(f"{asked} is {beyond[1]} micro-batches, more than the {beyond[2]} of one epoch: validate "
+                            "more often, or set trainer.check_val_every_n_epoch null so that the count runs across "
+                            "epochs (as configs/quickstart.yaml does)") from error
         except RuntimeError as error:
             if not COLLECTIVE_TIMEOUT.search(str(error)):
                 raise
@@ -252,6 +262,9 @@ USER_ERRORS = (UserError, MisconfigurationException, ReplicaDivergenceError, Wor
 LOST_PEER = re.compile(r"Connection (closed|reset) by peer")
 
 
+# Lightning's refusal of a validation interval longer than an epoch while it validates per epoch
+VALIDATION_BEYOND_EPOCH = re.compile(r"`val_check_interval` \((\d+)\) must be less than or equal to the number of "
+                                     r"the training batches \((\d+)\)")
 # what gloo (on the rank that waited, or on one whose peer gave up waiting) and NCCL's watchdog say of a collective
 # that did not complete within the process group's timeout
 COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting \d+ms for (recv|send) operation|Application timeout caused pair "
