@@ -38,7 +38,7 @@ def main(args: list[str] | None = None) -> None:
     if command == "comm":
         return comm.main(argv[1:])
     if command == "doctor":
-        return doctor.main(argv[1:])
+        return run_reporting_errors(doctor.main, argv[1:])
     if command == "consolidate":
         return run_reporting_errors(consolidate.main, argv[1:])
     if command == "export":

@@ -6,12 +6,22 @@ The CLI prints it as a single line, without a traceback; everything else is a bu
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
+from typing import NoReturn
 
 
 class UserError(Exception):
     """A problem with the user's input. The message says what was wrong and what to do instead."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser for Cohort's own commands (prepare, export, consolidate): what it refuses (a missing or
+    unknown argument, a value of the wrong type) is a UserError, one line, instead of the usage and an error."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{self.prog}: {message} ({self.prog} --help lists its arguments)")
 
 
 def check_ranges(section: str, rules: dict[str, tuple[bool, str]], values: dict[str, object]) -> None:

@@ -17,7 +17,6 @@ on every machine that runs this code.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import secrets
@@ -30,7 +29,7 @@ from typing import IO, Any, TextIO
 
 import numpy as np
 
-from core.errors import UserError, check_writable_folder
+from core.errors import ArgumentParser, UserError, check_writable_folder
 from datamodules.encoding import BYTES, Encoding, FileEncoder, encoded_files, load_tokenizer_file
 from datamodules.token_files import TOKEN_META_FILE, token_dtype
 
@@ -200,7 +199,7 @@ def prepare_corpus(files: Sequence[Path], out_dir: Path, *, encoding: Encoding =
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``cohort prepare ARGS``; a UserError for input it cannot use (app/__main__.py prints it as one line)."""
-    parser = argparse.ArgumentParser(prog="cohort prepare", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="cohort prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="*", type=Path, help="text files or folders (default: the Python stdlib)")
     parser.add_argument("--out", type=Path, required=True, help="folder to write train.bin and val.bin into")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="share of the text kept for validation")

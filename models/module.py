@@ -29,6 +29,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.flop_counter import FlopCounterMode
 from torchmetrics import MeanMetric
 
+from core.errors import UserError
 from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
@@ -59,6 +60,13 @@ class CohortModule(L.LightningModule):
             optimizer: AdamW and its learning-rate schedule (models/optimizer.py); each family has its defaults.
         """
         super().__init__()
+        missing = [method for method in ("plain_network", "batch_loss")
+                   if getattr(type(self), method) is getattr(CohortModule, method)]
+        if missing:  # else the run would stop at its first use, in a bare NotImplementedError
+            raise UserError(f"the model family {class_path_of(type(self))} defines no {' and no '.join(missing)}: a "
+                            "family builds its network (plain_network) and gives its loss on a micro-batch "
+                            "(batch_loss); models/module.py's CohortModule says what each returns, "
+                            "tests/test_your_own_family.py has a whole family")
         # a checkpoint's hyperparameters hold the settings as a plain dict (checkpoints are data, never objects)
         self.optimizer_settings = optimizer if isinstance(optimizer, OptimizerSettings) else OptimizerSettings(**optimizer)
         self.model: nn.Module | None = None  # the family's network, built by configure_model (sharded as the strategy says)

@@ -17,13 +17,14 @@ tensor parallelism or a pipeline.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from core.errors import UserError
 from models.bert import BERT, BertConfig
@@ -41,19 +42,23 @@ Source = tuple[str, Callable[[torch.Tensor], torch.Tensor]]
 
 
 class HuggingFaceFolder:
-    """A local Hugging Face model folder, its tensors opened lazily: reading one tensor reads that tensor only."""
+    """A local Hugging Face model folder, its tensors opened lazily: reading one tensor reads that tensor only. A
+    file that is damaged (cut short, or not what its name says) is a UserError naming it."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        where = f"model.init_from={path}"
+        self.where = where = f"model.init_from={path}"
         if not (self.path / "config.json").is_file():
             raise UserError(f"{where} is not a Hugging Face model folder (no config.json there): give the folder that "
                             "save_pretrained wrote")
         if (self.path / INDEX_FILE).is_file():
-            index = json.loads((self.path / INDEX_FILE).read_text())
-            self.files = {name: self.path / file for name, file in index["weight_map"].items()}
+            weight_map = self.read_json(INDEX_FILE).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise UserError(f"{where}: {INDEX_FILE} has no weight_map (tensor name: shard file): copy the whole "
+                                "folder again")
+            self.files = {name: self.path / file for name, file in weight_map.items()}
         elif (self.path / WEIGHTS_FILE).is_file():
-            with safe_open(self.path / WEIGHTS_FILE, framework="pt") as weights:
+            with self.open(self.path / WEIGHTS_FILE) as weights:
                 self.files = dict.fromkeys(weights.keys(), self.path / WEIGHTS_FILE)
         elif any(self.path.glob("*.bin")):
             raise UserError(f"{where} holds pickled .bin weights, which Cohort does not unpickle: convert them once "
@@ -66,14 +71,38 @@ class HuggingFaceFolder:
         if missing:
             raise UserError(f"{where}: {INDEX_FILE} names shards that are not there ({', '.join(missing)}): copy the "
                             "whole folder")
-        self.config: dict[str, Any] = json.loads((self.path / "config.json").read_text())
+        self.config: dict[str, Any] = self.read_json("config.json")
+
+    def read_json(self, name: str) -> dict[str, Any]:
+        """A JSON object file of the folder; a UserError for one that is not (cut short, or another file)."""
+        try:
+            content = json.loads((self.path / name).read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise UserError(f"{self.where}: {name} is not valid JSON ({error}): copy it again from where the model "
+                            "came from") from error
+        if not isinstance(content, dict):
+            raise UserError(f"{self.where}: {name} holds a {type(content).__name__}, not the JSON object "
+                            "save_pretrained writes: copy it again from where the model came from")
+        return content
+
+    @contextmanager
+    def open(self, file: Path) -> Iterator[Any]:
+        """safetensors' reader of ``file``; a UserError where its header cannot be read (safetensors checks that
+        the header's offsets cover the file exactly, so a file cut short is caught here, before any tensor)."""
+        try:
+            reader = safe_open(file, framework="pt")
+        except SafetensorError as error:
+            raise UserError(f"{self.where}: {file.name} is damaged or not a safetensors file ({error}): copy it "
+                            "again (a download cut short leaves such a file)") from error
+        with reader as weights:
+            yield weights
 
     def shape(self, name: str) -> tuple[int, ...]:
-        with safe_open(self.files[name], framework="pt") as weights:
+        with self.open(self.files[name]) as weights:
             return tuple(weights.get_slice(name).get_shape())
 
     def tensor(self, name: str) -> torch.Tensor:
-        with safe_open(self.files[name], framework="pt") as weights:
+        with self.open(self.files[name]) as weights:
             return weights.get_tensor(name)
 
 
@@ -200,11 +229,17 @@ def check_pretrained(folder: HuggingFaceFolder, config: LlamaConfig | GPTConfig 
     """A UserError unless the folder holds exactly the network of ``config`` (the named size): its config.json,
     then its tensors' names and shapes (read from the files' headers: no tensor is loaded)."""
     if isinstance(config, BertConfig):
-        imported, network_class = bert_config_from(folder), BERT
+        config_from, network_class = bert_config_from, BERT
     elif isinstance(config, LlamaConfig):
-        imported, network_class = llama_config_from(folder), Llama
+        config_from, network_class = llama_config_from, Llama
     else:
-        imported, network_class = gpt_config_from(folder), GPT
+        config_from, network_class = gpt_config_from, GPT
+    try:
+        imported = config_from(folder)
+    except (KeyError, TypeError, ValueError) as error:  # a setting missing, or null where a number belongs
+        raise UserError(f"model.init_from={folder.path}: its config.json lacks, or has no number for, a setting the "
+                        f"model is built from ({type(error).__name__}: {error}): copy it again from where the model "
+                        "came from") from error
     check_config_is(config, imported, model_name, folder)
     with torch.device("meta"):
         network = network_class(config)

@@ -689,6 +689,18 @@ class KillRank(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class StopRank(Callback):
+    """SIGSTOP one rank's own process at a step, as a rank that hangs (a deadlock, a stuck GPU, a frozen node)."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank = rank
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
 class KillReplicaGroup(KillRank):
     """KillRank for one fault-tolerant replica group: its process dies at ``step`` in its first attempt."""
 

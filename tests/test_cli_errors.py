@@ -17,7 +17,7 @@ import torch
 from datamodules.prepare import prepare_corpus
 from tests.helpers import (
     CONFIG_DIR, DDP_2, ONE_STEP, QUIET, assert_one_line_error, assert_one_line_error_in_process, batch_sizes, fit,
-    last_checkpoint, run_cohort, run_folders, run_in_process,
+    last_checkpoint, one_line_error, run_cohort, run_folders, run_in_process,
 )
 
 
@@ -218,8 +218,10 @@ def test_log_and_checkpoint_folders_that_cannot_be_made(fit_args: list[str], tmp
         "the checkpoint folder a_file cannot be made: a_file is a file, not a folder", monkeypatch)
 
 
-@pytest.mark.parametrize("field, expected", [("learning_rate: abc", "learning_rate"),
-                                             ("learnin_rate: 0.1", "learnin_rate")], ids=["wrong-type", "unknown-key"])
+@pytest.mark.parametrize("field, expected", [
+    ("learning_rate: abc", "model.optimizer.learning_rate"),
+    ("learnin_rate: 0.1", "unknown option model.optimizer.learnin_rate (did you mean model.optimizer.learning_rate?)"),
+], ids=["wrong-type", "unknown-key"])
 def test_a_yaml_value_of_the_wrong_type_or_an_unknown_key_is_named(field: str, expected: str, fit_args: list[str],
                                                                    tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -230,8 +232,79 @@ def test_a_yaml_value_of_the_wrong_type_or_an_unknown_key_is_named(field: str, e
     with pytest.raises(SystemExit) as exit_info:
         run_in_process([*fit_args, "-c", str(config)], monkeypatch)
     message = str(exit_info.value.code)
-    assert message.startswith("cohort: error: model") and expected in message and "\n" not in message, message
+    assert message.startswith("cohort: error: ") and expected in message and "\n" not in message, message
     assert run_folders(tmp_path) == []
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--trainer.max_stepz", "3"], "unknown option trainer.max_stepz (did you mean trainer.max_steps?)"),
+    (["--val_every_n_stepz", "3"], "unknown option val_every_n_stepz (did you mean val_every_n_steps?)"),
+    (["--checkpoint.every_n_train_stepz=3"],
+     "unknown option checkpoint.every_n_train_stepz (did you mean checkpoint.every_n_train_steps?)"),
+    (["--modell.dropout", "0.1"], "unknown option modell.dropout (did you mean model.dropout?)"),
+    (["--model.dropoutt", "0.1"], "unknown option model.dropoutt (did you mean model.dropout?)"),
+    (["-c", str(CONFIG_DIR / "trainer/ddp_cpu.yml")],
+     f"the config file {CONFIG_DIR / 'trainer/ddp_cpu.yml'} (-c) does not exist (did you mean "
+     f"{CONFIG_DIR / 'trainer/ddp_cpu.yaml'}?)"),
+    (["--trainer.precision", "7"], "trainer.precision=7 is refused: Expected a typing.Literal"),
+    (["--trainer.max_steps"], "argument --trainer.max_steps: expected one argument"),
+    (["--trainer.callbacks+=nope.Nope"], "trainer.callbacks: the class_path 'nope.Nope' cannot be imported"),
+    (["--trainer.strategy.init_args.timeoutt", "3"], "trainer.strategy.timeoutt=3 cannot be set"),
+    (["-c", str(CONFIG_DIR / "trainer/ddp_cpu.yaml"), "--trainer.strategy.init_args.timeoutt", "3"],
+     "unknown option trainer.strategy.timeoutt (did you mean trainer.strategy.timeout?)"),
+], ids=lambda value: " ".join(value).replace(f"{CONFIG_DIR}/", "") if isinstance(value, list) else "")
+def test_what_the_parser_refuses_is_one_line_naming_the_key(flags: list[str], expected: str, fit_args: list[str],
+                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Instead of the whole usage (a hundred lines) or a report of every type a union tried; a typo is answered
+    with the nearest valid key."""
+    assert_one_line_error_in_process([*fit_args, *flags], tmp_path, expected, monkeypatch)
+
+
+@pytest.mark.parametrize("config, expected", [
+    ("trainer:\n  max_stepz: 3\n", "unknown option trainer.max_stepz (did you mean trainer.max_steps?)"),
+    ("val_every_n_stepz: 3\n", "unknown option val_every_n_stepz (did you mean val_every_n_steps?)"),
+    ("trainer: [1\n", "a config file is not valid YAML"),
+], ids=["trainer-key", "top-level-key", "not-yaml"])
+def test_a_config_file_typo_is_one_line_naming_the_key(config: str, expected: str, fit_args: list[str],
+                                                        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "config.yaml").write_text(config)
+    assert_one_line_error_in_process([*fit_args, "-c", str(tmp_path / "config.yaml")], tmp_path, expected,
+                                     monkeypatch)
+
+
+def test_a_typo_from_the_command_is_one_line_without_the_usage(fit_args: list[str], tmp_path: Path) -> None:
+    assert_one_line_error([*fit_args, "--trainer.max_stepz", "3"], tmp_path, "did you mean trainer.max_steps?")
+
+
+@pytest.mark.parametrize("flags", [
+    ["--trainer.devices", "-1"],
+    ["-c", str(CONFIG_DIR / "trainer/ddp_gpu_bf16.yaml"), "--trainer.accelerator", "auto"],  # devices -1
+], ids=["devices-1", "gpu-preset-accelerator-auto"])
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a run on the CPU says")
+def test_devices_that_pick_gpus_on_the_cpu_are_one_line(flags: list[str], fit_args: list[str], tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's would be a TypeError ("devices selected with CPUAccelerator should be an int > 0")."""
+    assert_one_line_error_in_process([*fit_args, *flags], tmp_path, "trainer.devices=-1 picks GPUs, but this run is "
+                                     "on the CPU", monkeypatch)
+
+
+def test_fast_dev_run_runs_one_batch_of_each_and_writes_nothing(fit_args: list[str], tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's fast_dev_run validates after its one batch; val_every_n_steps (several batches) would make
+    Lightning refuse it in a traceback."""
+    monkeypatch.chdir(tmp_path)
+    run_in_process([*fit_args, "--val_every_n_steps", "2", "--trainer.fast_dev_run", "true"], monkeypatch)
+    assert run_folders(tmp_path) == []
+
+
+def test_validation_less_often_than_once_an_epoch_is_one_line(fit_args: list[str], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning, validating per epoch, refuses an interval longer than the epoch in a traceback, once the data
+    is loaded (so after the run folder is made)."""
+    monkeypatch.chdir(tmp_path)
+    message = one_line_error([*fit_args, "--trainer.limit_train_batches", "2", "--val_every_n_steps", "100"],
+                             monkeypatch)
+    assert "val_every_n_steps=100 is 400 micro-batches, more than the 2 of one epoch" in message, message
 
 
 def test_a_command_run_in_this_process_leaves_the_process_as_it_was(fit_args: list[str], tmp_path: Path,
@@ -262,3 +335,35 @@ def test_a_rank_that_dies_mid_run_stops_the_other_with_one_line(debug_run_args: 
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("cohort: error: another process of this run ended in the middle of a step"), last_line
     assert "--ckpt_path last" in last_line
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_stops_the_other_with_one_line(debug_run_args: list[str], tmp_path: Path) -> None:
+    """Rank 1 of 2 stopped (SIGSTOP) in step 4: rank 0's collective times out, and it says in one line which rank
+    never answered, after which step, the checkpoint kept and how to resume, instead of gloo's traceback. The
+    timeout is 30 s, not less: it also bounds the start-up rendezvous, which a busy machine may take seconds for."""
+    result = run_cohort(["fit", *debug_run_args, *QUIET, "-c", str(CONFIG_DIR / "trainer/ddp_cpu.yaml"),
+                         "--trainer.strategy.init_args.timeout", "0:00:30", "--trainer.max_steps", "50",
+                         *batch_sizes(4, 2), "--checkpoint.every_n_train_steps", "2",
+                         "--trainer.callbacks+=tests.helpers.StopRank", "--trainer.callbacks.rank=1",
+                         "--trainer.callbacks.step=3"], cwd=tmp_path, timeout=240)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("cohort: error: rank 0 waited in a collective after step 3 for rank 1, which never "
+                                "answered within trainer.strategy.init_args.timeout"), last_line
+    assert "checkpoints/last.ckpt is kept" in last_line and "--ckpt_path last" in last_line, last_line
+    assert not stopped_processes_running_in(tmp_path), "the hung rank must not outlive the run"
+
+
+def stopped_processes_running_in(folder: Path) -> list[int]:
+    """The ids of this user's stopped (SIGSTOP) processes whose working folder is ``folder``."""
+    stopped = []
+    for process in Path("/proc").iterdir():
+        try:
+            state = (process / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state == "T" and (process / "cwd").resolve() == folder.resolve():
+                stopped.append(int(process.name))
+        except (OSError, IndexError):  # not a process, or one that ended meanwhile
+            continue
+    return stopped

@@ -28,6 +28,7 @@ PRIVATE_METHODS = [
     (ModelCheckpoint, "_should_skip_saving_checkpoint", "RunCheckpoint.on_train_end: not twice for one step"),
     (ModelCheckpoint, "_monitor_candidates", "RunCheckpoint.on_train_end: the values a filename is made of"),
     (LightningCLI, "_parse_ckpt_path", "app/cli/lightning_cli.py: keep the user's model config, not the checkpoint's"),
+    (LightningCLI, "_run_subcommand", "app/cli/lightning_cli.py: a collective timeout told with the step and checkpoint"),
     (load, "_load_distributed_checkpoint", "app/safety/checkpoints.py load_sharded_checkpoint: shards as full tensors"),
     (torch, "_foreach_mul_", "models/parallelize.py: scale every mesh's gradients in one call when clipping"),
     (powerSGD_hook, "_should_compress", "app/strategies/gradient_compression.py factor_slots: each Q factor's slot"),

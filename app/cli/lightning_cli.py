@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from app.cli.argument_errors import UNIMPORTABLE, one_line
 from app.cli.commands import DESCRIPTION, LIGHTNING_COMMANDS, describe
 from app.cli.preflight import Preflight, accelerator_name, check_config, resolve_precision
 from app.cli.run_record import RunConfig, log_beside_the_run
@@ -52,10 +54,12 @@ from models.module import DERIVED_FROM_DATA, CohortModule, class_path_of
 
 
 class CohortArgumentParser(LightningArgumentParser):
-    """Lightning's parser, with one line instead of jsonargparse's nested report for a class_path that names no
-    model family or datamodule."""
+    """Lightning's parser, with one line instead of jsonargparse's usage or nested report for whatever it refuses
+    (app/cli/argument_errors.py), and a class_path that names no model family or datamodule named as such."""
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:  # a parser jsonargparse made for a class's arguments: it catches this itself
+            super().error(message, ex)
         key = re.match(r'Parser key "(model|data)"', message)
         problem = re.search(r"class_path '([^']+)':\s*(.*?)\n\s*- Expected a <class 'NoneType'>", message, re.DOTALL)
         if key and ("not correspond to a subclass" in message or (problem and UNIMPORTABLE.search(problem[2]))):
@@ -63,18 +67,12 @@ class CohortArgumentParser(LightningArgumentParser):
             kind, known = {"model": ("model family", FAMILIES), "data": ("datamodule", DATAMODULES)}[key[1]]
             raise UserError(f"{key[1]}.class_path {given!r} is not a {kind} Cohort can import: use one of "
                             + ", ".join(class_path_of(cls) for cls in known))
-        if key and problem:  # the class refused a value: jsonargparse nests the reason three levels deep
-            reason = re.sub(r'Parser key "([^"]+)":', rf"{key[1]}.\1:", " ".join(problem[2].split()))
-            reason = reason if reason.startswith(f"{key[1]}.") else f"{key[1]}: {reason}"
-            raise UserError(f"{reason} ({key[1]} is {problem[1]}; cohort fit --print_config lists its fields)")
-        super().error(message, ex)
+        raise UserError(one_line(self, message, ex))
 
 
 # what the shipped configs name (a class of one's own that subclasses CohortModule or LightningDataModule works too)
 FAMILIES = (GPTLanguageModel, BertMaskedLanguageModel, ImageClassifier)
 DATAMODULES = (LanguageModelingDataModule, ImageClassificationDataModule)
-# what jsonargparse says of a class_path that names no class it can import
-UNIMPORTABLE = re.compile(r"has no attribute|No module named|not accessible or invalid")
 
 
 class CohortCLI(LightningCLI):
@@ -207,8 +205,33 @@ class CohortCLI(LightningCLI):
                                        current_step=lambda: self.trainer.global_step)
         self.trainer.accumulate_grad_batches = plan.accumulation
         val_every_n_steps = self.config[self.subcommand].val_every_n_steps
-        if val_every_n_steps is not None:
+        if val_every_n_steps is not None and not self.trainer.fast_dev_run:  # which validates after its one batch
             self.trainer.val_check_interval = val_every_n_steps * plan.accumulation  # Lightning counts micro-batches
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Lightning's; a collective that timed out (a rank that hangs) ends in one line saying what it means for
+        the run, instead of gloo's or NCCL's traceback, and a validation interval longer than an epoch in one line
+        instead of Lightning's traceback."""
+        try:
+            super()._run_subcommand(subcommand)
+        except ValueError as error:
+            beyond = VALIDATION_BEYOND_EPOCH.search(str(error))
+            if beyond is None:
+                raise
+            every = self.config[subcommand].get("val_every_n_steps")
+            asked = f"val_every_n_steps={every}" if every is not None else "trainer.val_check_interval"
+            raise UserError(f"{asked} is {beyond[1]} micro-batches, more than the {beyond[2]} of one epoch: validate "
+                            "more often, or set trainer.check_val_every_n_epoch null so that the count runs across "
+                            "epochs (as configs/quickstart.yaml does)") from error
+        except RuntimeError as error:
+            if not COLLECTIVE_TIMEOUT.search(str(error)):
+                raise
+            # the ranks Lightning's launcher started here (none under torchrun or srun): a hung one would otherwise
+            # live on, holding its memory and GPU
+            kill = getattr(self.trainer.strategy.launcher, "kill", None)
+            if kill is not None:
+                kill(signal.SIGKILL)
+            raise UserError(stopped_answering(self.trainer)) from error
 
     def before_fit(self) -> None:
         rank_zero_info(f"model: {self.model.describe()}")
@@ -246,6 +269,35 @@ def run_cli(args: list[str] | None) -> None:
 USER_ERRORS = (UserError, MisconfigurationException, ReplicaDivergenceError, WorkerLost)  # one line: what to do
 # what gloo says on a rank whose peer's process ended mid-collective (the peer's sockets closed with it)
 LOST_PEER = re.compile(r"Connection (closed|reset) by peer")
+
+
+# Lightning's refusal of a validation interval longer than an epoch while it validates per epoch
+VALIDATION_BEYOND_EPOCH = re.compile(r"`val_check_interval` \((\d+)\) must be less than or equal to the number of "
+                                     r"the training batches \((\d+)\)")
+# what gloo (on the rank that waited, or on one whose peer gave up waiting) and NCCL's watchdog say of a collective
+# that did not complete within the process group's timeout
+COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting \d+ms for (recv|send) operation|Application timeout caused pair "
+                                r"closure|Watchdog caught collective operation timeout")
+
+
+def stopped_answering(trainer: Trainer) -> str:
+    """What a collective timeout means for the run: which rank did not answer (where there is only one other),
+    after which step, the checkpoint kept and how to resume. Reads nothing that would need the ranks to meet again
+    (Trainer.log_dir broadcasts)."""
+    others = [rank for rank in range(trainer.world_size) if rank != trainer.global_rank]
+    silent = f"rank {others[0]}" if len(others) == 1 else f"one of the other {len(others)} ranks"
+    checkpoint, logger = trainer.checkpoint_callback, trainer.logger
+    kept, resume = "no checkpoint was written yet", "--ckpt_path last"
+    if checkpoint is not None and checkpoint.last_model_path:
+        kept = f"{os.path.normpath(checkpoint.last_model_path)} is kept"
+        in_run_folder = logger is not None and logger.log_dir is not None and checkpoint.dirpath is not None and (
+            Path(checkpoint.dirpath).resolve() == Path(logger.log_dir, "checkpoints").resolve())
+        # --ckpt_path last looks in the logger's run folders only
+        resume = resume if in_run_folder else f"--ckpt_path {os.path.normpath(checkpoint.last_model_path)}"
+    return (f"rank {trainer.global_rank} waited in a collective after step {trainer.global_step} for "
+            f"{silent}, which never answered within trainer.strategy.init_args.timeout (hung, stopped, or its node "
+            f"unreachable): {kept}; find why it hung (its own output; py-spy dump --pid), then resume with the same "
+            f"command and {resume}")
 
 
 def run_reporting_errors(command: Callable[[Any], object], args: Any) -> None:

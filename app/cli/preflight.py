@@ -295,8 +295,15 @@ def accelerator_name(trainer: Namespace) -> str:
 
 
 def devices_per_node(trainer: Namespace) -> int:
-    """trainer.devices as a count, with Lightning's "auto" / -1 / list forms resolved as Lightning resolves them."""
+    """trainer.devices as a count, with Lightning's "auto" / -1 / list forms resolved as Lightning resolves them; a
+    UserError for those that pick GPUs where the run is on the CPU (Lightning's would be a TypeError)."""
     devices = trainer.devices
+    on_cpu = trainer.accelerator == "cpu" or (trainer.accelerator == "auto" and not torch.cuda.is_available())
+    if on_cpu and (devices in (-1, "-1") or isinstance(devices, (list, tuple)) or "," in str(devices)):
+        why = "" if trainer.accelerator == "cpu" else " and no CUDA GPU is visible"
+        raise UserError(f"trainer.devices={devices} picks GPUs, but this run is on the CPU (trainer.accelerator="
+                        f"{trainer.accelerator}{why}): set trainer.devices to a number of CPU processes (2: "
+                        "configs/trainer/ddp_cpu.yaml), or run where GPUs are visible")
     if devices in ("auto", -1, "-1"):
         return torch.cuda.device_count() if torch.cuda.is_available() and trainer.accelerator != "cpu" else 1
     if isinstance(devices, (list, tuple)):

@@ -12,19 +12,22 @@ process group is needed.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from app.safety.checkpoints import consolidate
+from core.errors import ArgumentParser, UserError, check_writable_folder
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="cohort consolidate", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="cohort consolidate", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a sharded checkpoint folder (e.g. .../checkpoints/last.ckpt)")
     parser.add_argument("output", type=Path, nargs="?", help="the file to write; default: NAME.consolidated.ckpt beside it")
     args = parser.parse_args(argv)
     folder: Path = args.checkpoint
     output: Path = args.output or folder.with_name(f"{folder.name.removesuffix('.ckpt')}.consolidated.ckpt")
+    if output.is_dir():
+        raise UserError(f"the output {output} is a folder: name the file to write, e.g. {output / 'full.ckpt'}")
+    check_writable_folder(output.parent, "output folder")  # before every shard is read: a file in its path
     checkpoint = consolidate(folder, output)
     parameters = sum(tensor.numel() for tensor in checkpoint["state_dict"].values())
     print(f"wrote {output}: {parameters:,} weights at step {checkpoint.get('global_step', '?')}")

@@ -14,7 +14,6 @@ checkpoints do not say which one the data was prepared with.
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import shutil
@@ -25,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from app.safety.checkpoints import load_checkpoint, remove_path, replace_path
-from core.errors import UserError
+from core.errors import ArgumentParser, UserError, check_writable_folder
 from core.tokens import BYTE_BERT_VOCAB_SIZE, BYTE_SPECIAL_TOKENS
 from models.huggingface import (
     huggingface_bert_config, huggingface_bert_state_dict, huggingface_gpt2_config, huggingface_gpt2_state_dict,
@@ -41,7 +40,7 @@ EXPORTED = {class_path_of(family): family for family in (GPTLanguageModel, Llama
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="cohort export", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="cohort export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a .ckpt file or sharded checkpoint folder written by cohort fit")
     parser.add_argument("--out", type=Path, required=True, metavar="FOLDER",
                         help="the folder to write; it must not exist or be empty")
@@ -49,6 +48,7 @@ def main(argv: list[str]) -> None:
     out: Path = args.out
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise UserError(f"--out {out} already exists and is not an empty folder: remove it or name another folder")
+    check_writable_folder(out, "--out folder")  # before the checkpoint is read: a file in its path, no permission
     checkpoint = load_checkpoint(args.checkpoint)
     weights, huggingface_config, config = huggingface_model(checkpoint, args.checkpoint)
     write_folder(out, weights, huggingface_config)
