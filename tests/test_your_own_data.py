@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import yaml
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
@@ -276,6 +277,50 @@ def test_the_batch_plan_is_read_from_the_loader(tmp_path: Path, caplog: pytest.L
     assert ("batch plan: global batch 4 = micro batch 4 x 1 data-parallel ranks x 1 accumulation steps; 4 samples per "
             "optimizer step") in caplog.text
     assert "samples/s (all ranks)" in caplog.text  # the run summary
+
+
+class OwnDefaults(IndexedFeatures):
+    """Arguments named as LanguageModelingDataModule's (global_batch_size 32, micro_batch_size 8, sequence_length
+    128), with defaults of its own."""
+
+    def __init__(self, global_batch_size: int = 16, micro_batch_size: int = 4, sequence_length: int = 1) -> None:
+        super().__init__(batch_size=micro_batch_size)
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.sequence_length = sequence_length
+
+
+class OwnDefaultsClassifier(FeatureClassifier):
+    """Arguments named as GPTLanguageModel's (dropout 0.0, learning rate 6e-4), with defaults of its own."""
+
+    def __init__(self, dropout: float = 0.25,
+                 optimizer: OptimizerSettings = OptimizerSettings(learning_rate=0.01)) -> None:
+        super().__init__(optimizer)
+        self.save_hyperparameters()
+
+
+OWN_DEFAULTS_PLAN = ("batch plan: global batch 16 = micro batch 4 x 1 data-parallel ranks x 4 accumulation steps; "
+                     "16 samples per optimizer step")
+
+
+@pytest.mark.parametrize("given", ["--model/--data", "class_path", "config file"])
+def test_the_classes_chosen_train_with_their_own_defaults(given: str, tmp_path: Path,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A family and a datamodule named instead of the defaults (GPT, LanguageModelingDataModule) take their own
+    defaults for the arguments the defaults also have, however they are named; the values a config gives stay."""
+    family, data = "tests.test_your_own_data.OwnDefaultsClassifier", "tests.test_your_own_data.OwnDefaults"
+    config = tmp_path / "own.yaml"
+    config.write_text(f"model:\n  class_path: {family}\ndata:\n  class_path: {data}\n")
+    named = {"--model/--data": ["--model", family, "--data", data],
+             "class_path": ["--model.class_path", family, "--data.class_path", data],
+             "config file": ["-c", str(config)]}[given]
+    run = [*named, "--trainer.accelerator", "cpu", "--trainer.max_steps", "1"]
+    fit_in_process(tmp_path, run)
+    assert OWN_DEFAULTS_PLAN in caplog.text
+    hparams = yaml.safe_load((tmp_path / "lightning_logs/version_0/hparams.yaml").read_text())
+    assert hparams["dropout"] == 0.25 and hparams["optimizer"]["learning_rate"] == 0.01, hparams
+    caplog.clear()
+    fit_in_process(tmp_path / "given", [*run, "--data.global_batch_size", "32", "--model.dropout", "0.0"])
+    assert "global batch 32 = micro batch 4 x 1 data-parallel ranks x 8 accumulation steps" in caplog.text
 
 
 class InOrder(IndexedFeatures):
