@@ -65,6 +65,13 @@ class IndexedFeatures(L.LightningDataModule):
         return DataLoader(self.val_set, batch_size=self.batch_size)
 
 
+class NoArguments(IndexedFeatures):
+    """Its loader's batch size and workers are its own: no num_workers argument (nor any other) for a config to set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+
 class NoGlobalBatch(IndexedFeatures):
     global_batch_size = None
 

@@ -26,6 +26,7 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,8 @@ from app.tools.memory import estimate_memory, module_step_loss, parse_memory_siz
 from core.errors import UserError
 from core.precision import precision_named
 from core.run_plan import RunPlan
+from datamodules.base import ShardedDataModule
+from datamodules.own_datamodule import share_out_training_samples
 from models.module import DERIVED_FROM_DATA, CohortModule
 
 
@@ -107,12 +110,12 @@ def instantiate_family(config: Namespace) -> tuple[LightningDataModule | None, C
     when the data is missing, so that the memory estimate can be given before the data exists."""
     data, problems = None, []
     try:
-        data = class_of(config.data.class_path)(**vars(config.data.init_args))
+        data = class_of(config.data.class_path)(**vars(config.data.get("init_args") or Namespace()))
     except UserError as error:
         problems.append(Check("data", "fail", str(error)))
     derived = {name: getattr(data, name) for name in DERIVED_FROM_DATA if hasattr(data, name)}
     try:
-        return data, model_class(config)(**vars(config.model.init_args) | derived), problems
+        return data, model_class(config)(**vars(config.model.get("init_args") or Namespace()) | derived), problems
     except UserError as error:
         return data, None, problems if data is None else [*problems, Check("model", "fail", str(error))]
 
@@ -149,12 +152,18 @@ def check_data(data: LightningDataModule, model: CohortModule, plan: RunPlan, ra
     data.run_plan = plan
     data.prepare_data()
     data.setup("fit")
-    loader = data.training_loader(rank)
+    if isinstance(data, ShardedDataModule):
+        loader, workers = data.training_loader(rank), "data.num_workers"
+    else:  # a datamodule of one's own: its loader as fit hands it to this rank (datamodules/own_datamodule.py)
+        share_out_training_samples(data, plan, rank, current_step=lambda: 0)
+        loader, workers = data.train_dataloader(), f"the num_workers of {type(data).__name__}'s train_dataloader"
     batches = iter(loader)
     next(batches)  # workers start
     start = time.perf_counter()
-    fetched = [next(batches) for _ in range(max(1, min(10, len(loader) - 1)))]
-    loader_seconds = (time.perf_counter() - start) / max(1, len(fetched))
+    fetched = list(islice(batches, 10))  # an iterable dataset's loader may have no length
+    if not fetched:
+        return Check("data loader", "skip", "the training loader yields one micro-batch: too few to time")
+    loader_seconds = (time.perf_counter() - start) / len(fetched)
     loading = f"{loader_seconds * 1e3:.1f} ms per micro-batch"
     if device is None:
         return Check("data loader", "skip", f"{loading}; the model's compute is not timed: this job runs on a GPU and "
@@ -166,7 +175,7 @@ def check_data(data: LightningDataModule, model: CohortModule, plan: RunPlan, ra
     share = loader_seconds / (loader_seconds + compute_seconds)
     detail = (f"{loading} vs {compute_seconds * 1e3:.1f} ms of compute: {share:.0%} of the time (warns from "
               f"{DATA_WARN_SHARE:.0%}, fails from {DATA_FAIL_SHARE:.0%})")
-    advice = f"raise data.num_workers (now {data.hparams.num_workers}), set data.pin_memory, keep data on local disk"
+    advice = f"raise {workers} (now {loader.num_workers}), pin memory, keep data on local disk"
     status = "pass" if share < DATA_WARN_SHARE else "warn" if share < DATA_FAIL_SHARE else "fail"
     return Check("data loader", status, detail, advice if status != "pass" else "")
 
@@ -179,7 +188,7 @@ def micro_batch_compute_seconds(model: CohortModule, batch: Any, device: torch.d
     batch = move_data_to_device(batch, device)
     for _ in range(2):  # the first pass warms up allocators and kernels
         start = time.perf_counter()
-        model.batch_loss(network, batch).backward()
+        model.batch_loss(network, model.prepare_batch(batch, 0)).backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     return time.perf_counter() - start
