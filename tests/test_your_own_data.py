@@ -27,7 +27,7 @@ from models.module import CohortModule
 from models.optimizer import OptimizerSettings
 from models.pipeline import PipelineSplit
 from tests.helpers import (
-    CONFIG_DIR, DDP_2, QUIET, assert_comparable_runs_agree, fit_in_process, one_line_error, scalars,
+    CONFIG_DIR, DDP_2, QUIET, assert_comparable_runs_agree, fit_in_process, one_line_error, run_in_process, scalars,
 )
 from tests.processes import run_cohort
 from tests.test_fault_tolerance import group_run
@@ -273,6 +273,26 @@ def test_what_your_data_cannot_do_is_refused_before_it_starts(data: str, layout:
     args = [*own_data_run(tmp_path), "--data", f"tests.test_your_own_data.{data}", *QUIET, *layout]
     for command in (["fit"], ["fit", "--print_config"]):
         assert refusal in one_line_error([*command, *args], monkeypatch)
+
+
+@pytest.mark.parametrize("order", ["data, then preset", "preset, then data", "config file, then preset"])
+def test_a_datamodule_without_a_num_workers_argument_takes_the_fault_tolerant_preset(
+        order: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The preset sets nothing in the data (its groups read without workers: the strategy's loader has none), so a
+    datamodule with no num_workers argument passes its checks, named before the preset or after it."""
+    monkeypatch.chdir(tmp_path)
+    data = ["--data", "tests.test_your_own_data.NoArguments"]
+    config = tmp_path / "own.yaml"
+    config.write_text("data:\n  class_path: tests.test_your_own_data.NoArguments\n")
+    fault_tolerant = preset("fault_tolerant_cpu")
+    given = {"data, then preset": [*data, *fault_tolerant], "preset, then data": [*fault_tolerant, *data],
+             "config file, then preset": ["-c", str(config), *fault_tolerant]}[order]
+    with pytest.raises(SystemExit) as exit_info:
+        run_in_process(["fit", "--model", "tests.test_your_own_data.FeatureClassifier", *given, "--print_config"],
+                       monkeypatch)
+    assert exit_info.value.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "class_path: tests.test_your_own_data.NoArguments" in printed and "FaultTolerantStrategy" in printed
 
 
 def test_the_batch_plan_is_read_from_the_loader(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
