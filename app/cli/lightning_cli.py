@@ -177,7 +177,8 @@ class CohortCLI(LightningCLI):
         """``--print_config`` prints and exits while parsing; before that, check what the config alone decides, so
         that a config ``fit`` would refuse is refused here too, and one it accepts is accepted: with the precision a
         run on this machine's CPU would get (16-mixed runs as bf16-mixed there). A GPU config is checked as written:
-        this machine may not be the one it runs on."""
+        this machine may not be the one it runs on. A config that names a model family or datamodule other than the
+        defaults is parsed twice: the second time, the classes it chose take their own defaults."""
         argv = sys.argv[1:] if args is None else args
         if not isinstance(argv, list):
             return super().parse_arguments(parser, args)
