@@ -35,7 +35,6 @@ import torch.distributed as dist
 from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser
-from lightning.pytorch.utilities import move_data_to_device
 
 from app.cli.commands import describe
 from app.cli.launch import Launch, detect_launch, join_process_group, launch_device
@@ -153,42 +152,44 @@ def check_data(data: LightningDataModule, model: CohortModule, plan: RunPlan, ra
     data.prepare_data()
     data.setup("fit")
     if isinstance(data, ShardedDataModule):
-        loader, workers = data.training_loader(rank), "data.num_workers"
+        loader, settings = data.training_loader(rank), ("data.num_workers", "data.pin_memory")
     else:  # a datamodule of one's own: its loader as fit hands it to this rank (datamodules/own_datamodule.py)
         share_out_training_samples(data, plan, rank, current_step=lambda: 0)
-        loader, workers = data.train_dataloader(), f"the num_workers of {type(data).__name__}'s train_dataloader"
+        loader = data.train_dataloader()
+        settings = (f"the num_workers of {type(data).__name__}'s train_dataloader", "its pin_memory")
     batches = iter(loader)
     next(batches)  # workers start
     start = time.perf_counter()
-    fetched = list(islice(batches, 10))  # an iterable dataset's loader may have no length
-    if not fetched:
+    timed = sum(1 for _ in islice(batches, 10))  # up to 10: an iterable dataset's loader may have no length
+    if not timed:
         return Check("data loader", "skip", "the training loader yields one micro-batch: too few to time")
-    loader_seconds = (time.perf_counter() - start) / len(fetched)
+    loader_seconds = (time.perf_counter() - start) / timed
     loading = f"{loader_seconds * 1e3:.1f} ms per micro-batch"
     if device is None:
         return Check("data loader", "skip", f"{loading}; the model's compute is not timed: this job runs on a GPU and "
                      "none is visible here", "run cohort doctor on a GPU node to compare the two")
-    compute_seconds = micro_batch_compute_seconds(model, fetched[0], device)
+    compute_seconds = micro_batch_compute_seconds(model, plan, device)
     if compute_seconds is None:
         return Check("data loader", "skip", f"{loading}; the model's compute is not timed: over 1.5B parameters, it "
                      "needs sharding", "compare with the step time once training runs")
     share = loader_seconds / (loader_seconds + compute_seconds)
     detail = (f"{loading} vs {compute_seconds * 1e3:.1f} ms of compute: {share:.0%} of the time (warns from "
               f"{DATA_WARN_SHARE:.0%}, fails from {DATA_FAIL_SHARE:.0%})")
-    advice = f"raise {workers} (now {loader.num_workers}), pin memory, keep data on local disk"
+    advice = f"raise {settings[0]} (now {loader.num_workers}), set {settings[1]}, keep data on local disk"
     status = "pass" if share < DATA_WARN_SHARE else "warn" if share < DATA_FAIL_SHARE else "fail"
     return Check("data loader", status, detail, advice if status != "pass" else "")
 
 
-def micro_batch_compute_seconds(model: CohortModule, batch: Any, device: torch.device) -> float | None:
-    """Forward + backward of one micro-batch, for models up to 1.5B parameters (larger ones need sharding)."""
+def micro_batch_compute_seconds(model: CohortModule, plan: RunPlan, device: torch.device) -> float | None:
+    """Forward + backward of one micro-batch of the family's example batch (the shape training sees, with no trainer
+    needed to prepare it), for models up to 1.5B parameters (larger ones need sharding)."""
     if model.num_parameters() > 1.5e9:
         return None
     network = model.plain_network().to(device)
-    batch = move_data_to_device(batch, device)
+    batch = model.example_batch(plan.micro_batch_size, plan.sequence_length, device)
     for _ in range(2):  # the first pass warms up allocators and kernels
         start = time.perf_counter()
-        model.batch_loss(network, model.prepare_batch(batch, 0)).backward()
+        model.batch_loss(network, batch).backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     return time.perf_counter() - start
