@@ -47,6 +47,10 @@ REFUSED = {
     ("resnet-small/digits.yaml", "multinode_gpu_bf16"): "data.global_batch_size=64 is not a multiple of data.micro_batch_size=32 x 16",
     ("resnet-small/digits.yaml", "pipeline_cpu"): "ImageClassifier has no pipeline split",
     ("resnet-small/digits.yaml", "pipeline_gpu_bf16"): "data.global_batch_size=64 is not a multiple of data.micro_batch_size=32 x 4",
+    **{(recipe, preset): "data.num_workers=4: a fault-tolerant group reads each step's samples once the step's quorum"
+       for recipe in ("gpt2/pretrain.yaml", "gpt-6.7b/pretrain.yaml", "bert-large/pretrain.yaml",
+                      "llama-8b/continued_pretraining.yaml")
+       for preset in ("fault_tolerant_cpu", "fault_tolerant_gpu_bf16")},
 }
 
 # recipes that start from a Hugging Face folder the user brings (model.init_from), which this machine has not got

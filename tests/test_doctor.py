@@ -78,3 +78,17 @@ def test_the_disk_line_states_its_rule(free_checkpoints: int, status: str, debug
     assert log_disk.status == status.lower()
     assert log_disk.detail.endswith(f"{free_checkpoints * 3:.1f} GiB free, a checkpoint (weights and AdamW state in "
                                     "float32) is 3.00 GiB: passes with room for 5 (15.00 GiB), fails below 2 (6.00 GiB)")
+
+
+@pytest.mark.parametrize("data", ["IndexedFeatures", "NoArguments"])
+def test_the_loader_of_a_datamodule_of_ones_own_is_timed(data: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain LightningDataModule: the loader fit would hand rank 0 is timed against the family's step; where the
+    loader is slow, the advice names its own num_workers (whether it is slow here is this machine's timing)."""
+    monkeypatch.chdir(tmp_path)
+    lines, _ = doctor_lines(["--model", "tests.test_your_own_data.FeatureClassifier",
+                             "--data", f"tests.test_your_own_data.{data}", "--trainer.accelerator", "cpu"])
+    assert lines["run plan"].startswith("PASS") and "16 samples per optimizer step" in lines["run plan"]
+    loader = lines["data loader"]
+    assert "ms per micro-batch vs" in loader and "(warns from 10%, fails from 30%)" in loader, loader
+    assert loader.startswith("PASS") or f"-> raise the num_workers of {data}'s train_dataloader (now 0)" in loader

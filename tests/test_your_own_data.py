@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import yaml
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
@@ -26,7 +27,7 @@ from models.module import CohortModule
 from models.optimizer import OptimizerSettings
 from models.pipeline import PipelineSplit
 from tests.helpers import (
-    CONFIG_DIR, DDP_2, QUIET, assert_comparable_runs_agree, fit_in_process, one_line_error, scalars,
+    CONFIG_DIR, DDP_2, QUIET, assert_comparable_runs_agree, fit_in_process, one_line_error, run_in_process, scalars,
 )
 from tests.processes import run_cohort
 from tests.test_fault_tolerance import group_run
@@ -62,6 +63,13 @@ class IndexedFeatures(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size)
+
+
+class NoArguments(IndexedFeatures):
+    """Its loader's batch size and workers are its own: no num_workers argument (nor any other) for a config to set."""
+
+    def __init__(self) -> None:
+        super().__init__()
 
 
 class NoGlobalBatch(IndexedFeatures):
@@ -267,6 +275,26 @@ def test_what_your_data_cannot_do_is_refused_before_it_starts(data: str, layout:
         assert refusal in one_line_error([*command, *args], monkeypatch)
 
 
+@pytest.mark.parametrize("order", ["data, then preset", "preset, then data", "config file, then preset"])
+def test_a_datamodule_without_a_num_workers_argument_takes_the_fault_tolerant_preset(
+        order: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The preset sets nothing in the data (its groups read without workers: the strategy's loader has none), so a
+    datamodule with no num_workers argument passes its checks, named before the preset or after it."""
+    monkeypatch.chdir(tmp_path)
+    data = ["--data", "tests.test_your_own_data.NoArguments"]
+    config = tmp_path / "own.yaml"
+    config.write_text("data:\n  class_path: tests.test_your_own_data.NoArguments\n")
+    fault_tolerant = preset("fault_tolerant_cpu")
+    given = {"data, then preset": [*data, *fault_tolerant], "preset, then data": [*fault_tolerant, *data],
+             "config file, then preset": ["-c", str(config), *fault_tolerant]}[order]
+    with pytest.raises(SystemExit) as exit_info:
+        run_in_process(["fit", "--model", "tests.test_your_own_data.FeatureClassifier", *given, "--print_config"],
+                       monkeypatch)
+    assert exit_info.value.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "class_path: tests.test_your_own_data.NoArguments" in printed and "FaultTolerantStrategy" in printed
+
+
 def test_the_batch_plan_is_read_from_the_loader(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A datamodule that states no global batch: one micro batch (its loader's batch_size) per data-parallel rank,
     counted in samples."""
@@ -276,6 +304,50 @@ def test_the_batch_plan_is_read_from_the_loader(tmp_path: Path, caplog: pytest.L
     assert ("batch plan: global batch 4 = micro batch 4 x 1 data-parallel ranks x 1 accumulation steps; 4 samples per "
             "optimizer step") in caplog.text
     assert "samples/s (all ranks)" in caplog.text  # the run summary
+
+
+class OwnDefaults(IndexedFeatures):
+    """Arguments named as LanguageModelingDataModule's (global_batch_size 32, micro_batch_size 8, sequence_length
+    128), with defaults of its own."""
+
+    def __init__(self, global_batch_size: int = 16, micro_batch_size: int = 4, sequence_length: int = 1) -> None:
+        super().__init__(batch_size=micro_batch_size)
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.sequence_length = sequence_length
+
+
+class OwnDefaultsClassifier(FeatureClassifier):
+    """Arguments named as GPTLanguageModel's (dropout 0.0, learning rate 6e-4), with defaults of its own."""
+
+    def __init__(self, dropout: float = 0.25,
+                 optimizer: OptimizerSettings = OptimizerSettings(learning_rate=0.01)) -> None:
+        super().__init__(optimizer)
+        self.save_hyperparameters()
+
+
+OWN_DEFAULTS_PLAN = ("batch plan: global batch 16 = micro batch 4 x 1 data-parallel ranks x 4 accumulation steps; "
+                     "16 samples per optimizer step")
+
+
+@pytest.mark.parametrize("given", ["--model/--data", "class_path", "config file"])
+def test_the_classes_chosen_train_with_their_own_defaults(given: str, tmp_path: Path,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A family and a datamodule named instead of the defaults (GPT, LanguageModelingDataModule) take their own
+    defaults for the arguments the defaults also have, however they are named; the values a config gives stay."""
+    family, data = "tests.test_your_own_data.OwnDefaultsClassifier", "tests.test_your_own_data.OwnDefaults"
+    config = tmp_path / "own.yaml"
+    config.write_text(f"model:\n  class_path: {family}\ndata:\n  class_path: {data}\n")
+    named = {"--model/--data": ["--model", family, "--data", data],
+             "class_path": ["--model.class_path", family, "--data.class_path", data],
+             "config file": ["-c", str(config)]}[given]
+    run = [*named, "--trainer.accelerator", "cpu", "--trainer.max_steps", "1"]
+    fit_in_process(tmp_path, run)
+    assert OWN_DEFAULTS_PLAN in caplog.text
+    hparams = yaml.safe_load((tmp_path / "lightning_logs/version_0/hparams.yaml").read_text())
+    assert hparams["dropout"] == 0.25 and hparams["optimizer"]["learning_rate"] == 0.01, hparams
+    caplog.clear()
+    fit_in_process(tmp_path / "given", [*run, "--data.global_batch_size", "32", "--model.dropout", "0.0"])
+    assert "global batch 32 = micro batch 4 x 1 data-parallel ranks x 8 accumulation steps" in caplog.text
 
 
 class InOrder(IndexedFeatures):

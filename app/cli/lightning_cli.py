@@ -69,6 +69,19 @@ class CohortArgumentParser(LightningArgumentParser):
                             + ", ".join(class_path_of(cls) for cls in known))
         raise UserError(one_line(self, message, ex))
 
+    # "model", "data": where the config chose a class other than the default (GPT, LanguageModelingDataModule)
+    replaced_defaults: frozenset[str] = frozenset()
+
+    def get_defaults(self, skip_validation: bool = False, **kwargs: Any) -> Namespace:
+        """jsonargparse's defaults, less the default class's arguments where the config replaces that class: else a
+        class chosen instead would take the default class's values for the arguments of the same name (jsonargparse's
+        issue #460: a datamodule's own global_batch_size=16 would be LanguageModelingDataModule's 32). The values a
+        config gives are kept; the class chosen fills in its own defaults for the rest."""
+        defaults = super().get_defaults(skip_validation, **kwargs)
+        for key in self.replaced_defaults:
+            defaults[key] = Namespace(class_path=defaults[key].class_path)
+        return defaults
+
 
 # what the shipped configs name (a class of one's own that subclasses CohortModule or LightningDataModule works too)
 FAMILIES = (GPTLanguageModel, BertMaskedLanguageModel, ImageClassifier)
@@ -162,16 +175,26 @@ class CohortCLI(LightningCLI):
         """``--print_config`` prints and exits while parsing; before that, check what the config alone decides, so
         that a config ``fit`` would refuse is refused here too, and one it accepts is accepted: with the precision a
         run on this machine's CPU would get (16-mixed runs as bf16-mixed there). A GPU config is checked as written:
-        this machine may not be the one it runs on."""
+        this machine may not be the one it runs on. A config that names a model family or datamodule other than the
+        defaults is parsed twice: the second time, the classes it chose take their own defaults."""
         argv = sys.argv[1:] if args is None else args
-        if isinstance(argv, list) and any(arg.startswith("--print_config") for arg in argv):
-            config = parser.parse_args([arg for arg in argv if not arg.startswith("--print_config")])
-            config = config[config.subcommand] if config.get("subcommand") else config
-            accelerator = accelerator_name(config.trainer)
-            if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
-                config.trainer.precision = resolve_precision(config.trainer.precision, "cpu")
-            check_config(config)
-        super().parse_arguments(parser, args)
+        if not isinstance(argv, list):
+            return super().parse_arguments(parser, args)
+        given = [arg for arg in argv if not arg.startswith("--print_config")]
+        parsed = parser.parse_args(given)
+        subcommand = parsed.get("subcommand")
+        if replace_default_classes(self._subcommand_parsers[subcommand] if subcommand else parser,
+                                   parsed[subcommand] if subcommand else parsed):
+            parsed = parser.parse_args(given)  # the classes chosen, with their own defaults
+        if given == argv:
+            self.config = parsed
+            return None
+        config = parsed[subcommand] if subcommand else parsed
+        accelerator = accelerator_name(config.trainer)
+        if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
+            config.trainer.precision = resolve_precision(config.trainer.precision, "cpu")
+        check_config(config)
+        return super().parse_arguments(parser, args)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
@@ -241,6 +264,14 @@ class CohortCLI(LightningCLI):
         for callback in list(self.trainer.callbacks):
             if isinstance(callback, RankMonitor) and not callback.enabled:
                 self.trainer.callbacks.remove(callback)
+
+
+def replace_default_classes(parser: CohortArgumentParser, config: Namespace) -> bool:
+    """Whether the config chose a model family or datamodule other than the parser's default; where it did, the
+    parser parses it again without the default class's defaults (CohortArgumentParser.get_defaults)."""
+    parser.replaced_defaults = frozenset(key for key in ("model", "data")
+                                         if config[key].class_path != parser.get_default(key).class_path)
+    return bool(parser.replaced_defaults)
 
 
 def without_advertisements(record: logging.LogRecord) -> bool:

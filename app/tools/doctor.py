@@ -26,6 +26,7 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,6 @@ import torch.distributed as dist
 from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser
-from lightning.pytorch.utilities import move_data_to_device
 
 from app.cli.commands import describe
 from app.cli.launch import Launch, detect_launch, join_process_group, launch_device
@@ -45,6 +45,8 @@ from app.tools.memory import estimate_memory, module_step_loss, parse_memory_siz
 from core.errors import UserError
 from core.precision import precision_named
 from core.run_plan import RunPlan
+from datamodules.base import ShardedDataModule
+from datamodules.own_datamodule import share_out_training_samples
 from models.module import DERIVED_FROM_DATA, CohortModule
 
 
@@ -107,12 +109,12 @@ def instantiate_family(config: Namespace) -> tuple[LightningDataModule | None, C
     when the data is missing, so that the memory estimate can be given before the data exists."""
     data, problems = None, []
     try:
-        data = class_of(config.data.class_path)(**vars(config.data.init_args))
+        data = class_of(config.data.class_path)(**vars(config.data.get("init_args") or Namespace()))
     except UserError as error:
         problems.append(Check("data", "fail", str(error)))
     derived = {name: getattr(data, name) for name in DERIVED_FROM_DATA if hasattr(data, name)}
     try:
-        return data, model_class(config)(**vars(config.model.init_args) | derived), problems
+        return data, model_class(config)(**vars(config.model.get("init_args") or Namespace()) | derived), problems
     except UserError as error:
         return data, None, problems if data is None else [*problems, Check("model", "fail", str(error))]
 
@@ -149,34 +151,42 @@ def check_data(data: LightningDataModule, model: CohortModule, plan: RunPlan, ra
     data.run_plan = plan
     data.prepare_data()
     data.setup("fit")
-    loader = data.training_loader(rank)
+    if isinstance(data, ShardedDataModule):
+        loader, settings = data.training_loader(rank), ("data.num_workers", "data.pin_memory")
+    else:  # a datamodule of one's own: its loader as fit hands it to this rank (datamodules/own_datamodule.py)
+        share_out_training_samples(data, plan, rank, current_step=lambda: 0)
+        loader = data.train_dataloader()
+        settings = (f"the num_workers of {type(data).__name__}'s train_dataloader", "its pin_memory")
     batches = iter(loader)
     next(batches)  # workers start
     start = time.perf_counter()
-    fetched = [next(batches) for _ in range(max(1, min(10, len(loader) - 1)))]
-    loader_seconds = (time.perf_counter() - start) / max(1, len(fetched))
+    timed = sum(1 for _ in islice(batches, 10))  # up to 10: an iterable dataset's loader may have no length
+    if not timed:
+        return Check("data loader", "skip", "the training loader yields one micro-batch: too few to time")
+    loader_seconds = (time.perf_counter() - start) / timed
     loading = f"{loader_seconds * 1e3:.1f} ms per micro-batch"
     if device is None:
         return Check("data loader", "skip", f"{loading}; the model's compute is not timed: this job runs on a GPU and "
                      "none is visible here", "run cohort doctor on a GPU node to compare the two")
-    compute_seconds = micro_batch_compute_seconds(model, fetched[0], device)
+    compute_seconds = micro_batch_compute_seconds(model, plan, device)
     if compute_seconds is None:
         return Check("data loader", "skip", f"{loading}; the model's compute is not timed: over 1.5B parameters, it "
                      "needs sharding", "compare with the step time once training runs")
     share = loader_seconds / (loader_seconds + compute_seconds)
     detail = (f"{loading} vs {compute_seconds * 1e3:.1f} ms of compute: {share:.0%} of the time (warns from "
               f"{DATA_WARN_SHARE:.0%}, fails from {DATA_FAIL_SHARE:.0%})")
-    advice = f"raise data.num_workers (now {data.hparams.num_workers}), set data.pin_memory, keep data on local disk"
+    advice = f"raise {settings[0]} (now {loader.num_workers}), set {settings[1]}, keep data on local disk"
     status = "pass" if share < DATA_WARN_SHARE else "warn" if share < DATA_FAIL_SHARE else "fail"
     return Check("data loader", status, detail, advice if status != "pass" else "")
 
 
-def micro_batch_compute_seconds(model: CohortModule, batch: Any, device: torch.device) -> float | None:
-    """Forward + backward of one micro-batch, for models up to 1.5B parameters (larger ones need sharding)."""
+def micro_batch_compute_seconds(model: CohortModule, plan: RunPlan, device: torch.device) -> float | None:
+    """Forward + backward of one micro-batch of the family's example batch (the shape training sees, with no trainer
+    needed to prepare it), for models up to 1.5B parameters (larger ones need sharding)."""
     if model.num_parameters() > 1.5e9:
         return None
     network = model.plain_network().to(device)
-    batch = move_data_to_device(batch, device)
+    batch = model.example_batch(plan.micro_batch_size, plan.sequence_length, device)
     for _ in range(2):  # the first pass warms up allocators and kernels
         start = time.perf_counter()
         model.batch_loss(network, batch).backward()
