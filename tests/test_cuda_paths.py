@@ -108,7 +108,8 @@ def test_a_gpu_preset_without_a_gpu_is_refused_in_the_preflight(byte_corpus: Pat
 def test_devices_and_strategies_on_gpus(device_calls: list) -> None:
     auto = SimpleNamespace(devices="auto", accelerator="auto")
     assert devices_per_node(auto) == GPUS
-    assert devices_per_node(SimpleNamespace(devices=-1, accelerator="cpu")) == 1  # the CPU, whatever is visible
+    with pytest.raises(UserError, match="trainer.devices=-1 picks GPUs, but this run is on the CPU"):
+        devices_per_node(SimpleNamespace(devices=-1, accelerator="cpu"))  # Lightning's would be a TypeError
     check_strategy("fsdp", "auto")  # FSDP (version 1) on the visible GPUs
     with pytest.raises(UserError, match="fsdp needs CUDA GPUs"):
         check_strategy("fsdp", "cpu")
