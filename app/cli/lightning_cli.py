@@ -207,14 +207,19 @@ class CohortCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """Lightning's trainer, with StepProgress where Lightning would add its own bar: when the progress bar is on
-        and no ProgressBar is among the callbacks (one there while the bar is off would make Lightning raise)."""
+        and no ProgressBar is among the callbacks (one there while the bar is off would make Lightning raise); an
+        accelerator whose package is missing in one line."""
         config = self.config_init[self.subcommand]
         given = config.trainer.callbacks or []
         callbacks = [given] if isinstance(given, Callback) else list(given)
         bar_on = config.trainer.enable_progress_bar is not False and not config.trainer.barebones
         if bar_on and not any(isinstance(callback, ProgressBar) for callback in callbacks):
             kwargs["callbacks"] = [*callbacks, config.progress]
-        return super().instantiate_trainer(**kwargs)
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except ModuleNotFoundError as error:  # Lightning's accelerators import their package when made (tpu: torch_xla)
+            raise UserError(f"trainer.accelerator={config.trainer.accelerator} needs a package that is not installed "
+                            f"({error}): install it, or use configs/trainer/cpu.yaml or a GPU preset") from error
 
     def instantiate_classes(self) -> None:
         """Build the trainer, model and datamodule, and hand the run plan to them; one device and DDP read a sharded

@@ -186,6 +186,9 @@ def resolve_run_plan(config: Namespace) -> RunPlan:
     if every is not None and every < 1:
         raise UserError(f"val_every_n_steps={every} must be at least 1 (optimizer steps between validations), or null "
                         "to validate once per epoch")
+    if type(trainer.val_check_interval) is int and trainer.val_check_interval < 1:  # Lightning divides by it
+        raise UserError(f"trainer.val_check_interval={trainer.val_check_interval} must be at least 1 (micro-batches "
+                        "between validations) or a fraction of an epoch: better, set val_every_n_steps")
     check_strategy(trainer.strategy, accelerator_name(trainer))
     pipeline, data_parallel, tensor_parallel = parallel_sizes(trainer)
     world_size = devices_per_node(trainer) * int(trainer.num_nodes)
