@@ -36,7 +36,7 @@ def main(args: list[str] | None = None) -> None:
     from datamodules import prepare
 
     if command == "comm":
-        return comm.main(argv[1:])
+        return run_reporting_errors(comm.main, argv[1:])
     if command == "doctor":
         return run_reporting_errors(doctor.main, argv[1:])
     if command == "consolidate":

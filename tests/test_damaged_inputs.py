@@ -96,8 +96,10 @@ def test_an_output_under_a_file_is_refused_before_any_work(command: list[str], t
     (["consolidate"], "cohort consolidate: the following arguments are required: checkpoint"),
     (["prepare", "--out", "data", "--workers", "many"], "cohort prepare: argument --workers: invalid int value"),
     (["consolidate", "any.ckpt", "."], "the output . is a folder: name the file to write"),
+    (["comm", "--iterations", "many"], "cohort comm: argument --iterations: invalid int value"),
+    (["comm", "--operations", "broadcast"], "cohort comm: argument --operations: invalid choice: 'broadcast'"),
 ], ids=["export-without-out", "consolidate-without-checkpoint", "prepare-workers-not-a-number",
-        "consolidate-into-a-folder"])
+        "consolidate-into-a-folder", "comm-iterations-not-a-number", "comm-unknown-operation"])
 def test_what_the_own_commands_refuse_is_one_line(command: list[str], expected: str, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Instead of argparse's usage and error (exit 2)."""

@@ -11,9 +11,7 @@ the full buffer). NCCL on GPUs, gloo on CPUs. Rank and world size come from torc
 
 from __future__ import annotations
 
-import argparse
 import csv
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -22,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from app.cli.launch import detect_launch, join_process_group, launch_device
-from core.errors import UserError
+from core.errors import ArgumentParser, UserError
 
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -110,7 +108,7 @@ def format_table(results: Sequence[Measurement], world_size: int, backend: str) 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="cohort comm", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="cohort comm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--min-size", default="1K", help="smallest message (default 1K)")
     parser.add_argument("--max-size", default="256M", help="largest message (default 256M)")
     parser.add_argument("--operations", nargs="+", default=list(BUS_FACTOR), choices=list(BUS_FACTOR))
@@ -118,15 +116,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls per size first")
     parser.add_argument("--csv", help="also write the results to this CSV file (rank 0)")
     args = parser.parse_args(argv)
-    try:
-        sizes = message_sizes(parse_size(args.min_size), parse_size(args.max_size))
-        if not sizes:
-            raise UserError(f"--min-size {args.min_size} is larger than --max-size {args.max_size}")
-        launch = detect_launch()
-        device = launch_device(launch)
-        join_process_group(launch, device)
-    except UserError as error:
-        sys.exit(f"cohort comm: error: {error}")
+    sizes = message_sizes(parse_size(args.min_size), parse_size(args.max_size))
+    if not sizes:
+        raise UserError(f"cohort comm: --min-size {args.min_size} is larger than --max-size {args.max_size}")
+    launch = detect_launch()
+    device = launch_device(launch)
+    join_process_group(launch, device)
     try:
         results = measure(args.operations, sizes, device, args.iterations, args.warmup)
         if dist.get_rank() == 0:
