@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -19,6 +20,7 @@ import yaml
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
+from app.cli.samples import PrintGeneratedText
 from app.strategies.fault_tolerance.job import replica_group
 from core.precision import precision_named
 from core.run_plan import RunPlan
@@ -373,3 +375,9 @@ def test_each_data_parallel_rank_gets_its_share_of_every_global_batch(data: type
     steps = [sorted(per_rank[0][step] + per_rank[1][step]) for step in range(STEPS)]
     assert sorted(index for step in steps for index in step) == list(range(TRAIN_SAMPLES))
     assert (steps == [list(range(step * 16, (step + 1) * 16)) for step in range(STEPS)]) == in_order
+
+
+def test_the_quickstart_sample_is_skipped_for_data_without_a_vocabulary() -> None:
+    """configs/quickstart.yaml's PrintGeneratedText stays on when the README's example names a datamodule of one's
+    own after it: it has nothing to print for such data, and must not end the run in an AttributeError."""
+    PrintGeneratedText().on_train_end(SimpleNamespace(datamodule=IndexedFeatures()), FeatureClassifier())

@@ -27,7 +27,8 @@ class PrintGeneratedText(Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         datamodule = trainer.datamodule
-        if datamodule.vocab_size != 256 or not isinstance(pl_module, WritesText) or stopped_by_signal(trainer):
+        byte_level = getattr(datamodule, "vocab_size", None) == 256  # a datamodule of one's own may have none
+        if not byte_level or not isinstance(pl_module, WritesText) or stopped_by_signal(trainer):
             return
         if pl_module.pipeline is not None:  # each rank holds one stage; sampling runs the whole model token by token
             rank_zero_info("\n--- no sample: generating needs the whole model; run cohort predict on one process with "
