@@ -309,14 +309,14 @@ class CohortModule(L.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         """The family's loss of one validation batch, weighted by its targets that are not padding (IGNORE_INDEX:
-        the windows and images that even out the ranks' shares count for nothing)."""
-        inputs, targets = self.prepare_batch(batch, batch_idx)
+        the windows and images that even out the ranks' shares count for nothing); a batch that is not (inputs,
+        targets), which a family of one's own may read whole, by its samples."""
+        batch = self.prepare_batch(batch, batch_idx)
         if self.pipeline is not None:
-            self.val_loss.update(*self.pipeline.eval_step(inputs, targets))
+            self.val_loss.update(*self.pipeline.eval_step(*batch))
             return
-        counted = (targets != IGNORE_INDEX).sum()
-        loss = self.batch_loss(self.model, (inputs, targets)).float()
-        self.val_loss.update(torch.nan_to_num(loss), weight=counted)  # an all-padding batch's mean is NaN
+        loss = self.batch_loss(self.model, batch).float()  # an all-padding batch's mean is NaN, and weighs nothing
+        self.val_loss.update(torch.nan_to_num(loss), weight=validation_weight(batch))
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()  # a collective: the mean over every rank's samples
@@ -384,3 +384,13 @@ def unscale_gradients(precision_plugin: Precision, optimizer: torch.optim.Optimi
     scaler = getattr(precision_plugin, "scaler", None)  # MixedPrecision and FSDPPrecision under 16-mixed
     if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
         scaler.unscale_(optimizer)
+
+
+def validation_weight(batch: Any) -> torch.Tensor | int:
+    """How much a validation batch counts in ``val/loss``: the targets that are not padding of (inputs, targets),
+    else the samples of its first tensor (of a tuple, list or dict batch)."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[1], torch.Tensor):
+        return (batch[1] != IGNORE_INDEX).sum()
+    parts = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else [batch]
+    first = next((part for part in parts if isinstance(part, torch.Tensor) and part.dim() > 0), None)
+    return 1 if first is None else first.shape[0]

@@ -381,3 +381,26 @@ def test_the_quickstart_sample_is_skipped_for_data_without_a_vocabulary() -> Non
     """configs/quickstart.yaml's PrintGeneratedText stays on when the README's example names a datamodule of one's
     own after it: it has nothing to print for such data, and must not end the run in an AttributeError."""
     PrintGeneratedText().on_train_end(SimpleNamespace(datamodule=IndexedFeatures()), FeatureClassifier())
+
+
+class WholeBatchClassifier(FeatureClassifier):
+    """A family of the three methods alone: its loss reads the data's batch as it comes, (features, labels, indices)."""
+
+    def prepare_batch(self, batch: Any, batch_idx: int) -> Any:
+        return batch
+
+    def example_batch(self, micro_batch_size: int, sequence_length: int, device: torch.device) -> Any:
+        return (*super().example_batch(micro_batch_size, sequence_length, device),
+                torch.zeros(micro_batch_size, dtype=torch.long, device=device))
+
+    def batch_loss(self, network: nn.Module, batch: Any) -> torch.Tensor:
+        features, labels, _ = batch
+        return F.cross_entropy(network(features), labels)
+
+
+def test_a_family_whose_batch_is_not_inputs_and_targets_validates(tmp_path: Path) -> None:
+    """Validation weighs each batch by its samples, where it is not (inputs, targets) to count the targets of."""
+    run = [*own_data_run(tmp_path), "--model", "tests.test_your_own_data.WholeBatchClassifier",
+           "--trainer.max_steps", "1", "--trainer.enable_model_summary", "false"]
+    fit_in_process(tmp_path, run)
+    assert scalars(tmp_path, "val/loss")
