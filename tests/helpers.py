@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -692,9 +693,17 @@ class KillRank(Callback):
 class StopRank(Callback):
     """SIGSTOP one rank's own process at a step, as a rank that hangs (a deadlock, a stuck GPU, a frozen node)."""
 
-    def __init__(self, rank: int, step: int) -> None:
+    def __init__(self, rank: int, step: int, collective_timeout: float | None = None) -> None:
         self.rank = rank
         self.step = step
+        self.collective_timeout = collective_timeout
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """With ``collective_timeout`` (seconds), every rank's collectives from here on time out after it, while the
+        start-up rendezvous, which a busy machine may take long for, had the strategy's longer timeout: a test waits
+        for the hang to be noticed only that long."""
+        if self.collective_timeout is not None and torch.distributed.is_initialized():
+            torch.distributed.distributed_c10d._set_pg_timeout(timedelta(seconds=self.collective_timeout))
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:

@@ -12,6 +12,7 @@ interpreter's own start (which modules a command imports) runs afresh: ``run_coh
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
 import multiprocessing
 import os
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -36,22 +38,44 @@ def run_cohort(args: list[str], cwd: Path, timeout: float = 300,
     """Run ``python -m app ARGS`` in its own process group, as a user would from ``cwd``. A run still going after
     ``timeout`` seconds hangs: it is killed with every rank it started, and subprocess.TimeoutExpired fails the
     test."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, "-m", "app", *args]
     if fresh_interpreter:
-        return run_afresh(command, cwd, env, timeout)
+        return run_afresh([sys.executable, "-m", "app", *args], cwd, cohort_environment(), timeout)
+    return run_cohorts([(args, {})], cwd, timeout)[0]
+
+
+def run_cohorts(runs: list[tuple[list[str], dict[str, str]]], cwd: Path,
+                timeout: float) -> list[subprocess.CompletedProcess]:
+    """``python -m app ARGS`` for each (ARGS, environment added) of ``runs``, all at once, as run_cohort runs one:
+    the processes of one job on separate machines, each given its rank by its environment as torchrun gives it. A
+    process still going ``timeout`` seconds after the start hangs: every one still going is killed with the ranks it
+    started, and subprocess.TimeoutExpired fails the test."""
+    deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory() as outputs:
-        stdout, stderr = Path(outputs, "stdout"), Path(outputs, "stderr")
-        stdout.touch()
-        stderr.touch()  # read back even if the process dies before it writes
-        process = FORKS.Process(target=cohort_main, args=(args, cwd, env, stdout, stderr))
-        process.start()
-        process.join(timeout)
-        if process.exitcode is None:
-            os.killpg(process.pid, signal.SIGKILL)  # the ranks too
+        started = []
+        for index, (args, added) in enumerate(runs):
+            stdout, stderr = Path(outputs, f"stdout{index}"), Path(outputs, f"stderr{index}")
+            stdout.touch()
+            stderr.touch()  # read back even if the process dies before it writes
+            process = FORKS.Process(target=cohort_main, args=(args, cwd, {**cohort_environment(), **added}, stdout,
+                                                              stderr))
+            process.start()
+            started.append((process, [sys.executable, "-m", "app", *args], stdout, stderr))
+        for process, *_ in started:
+            process.join(max(deadline - time.monotonic(), 0))
+        hung = [run for run in started if run[0].exitcode is None]
+        for process, *_ in hung:
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                os.killpg(process.pid, signal.SIGKILL)  # the ranks too
             process.join()
+        if hung:
+            _, command, stdout, stderr = hung[0]
             raise subprocess.TimeoutExpired(command, timeout, stdout.read_text(), stderr.read_text())
-        return subprocess.CompletedProcess(command, process.exitcode, stdout.read_text(), stderr.read_text())
+        return [subprocess.CompletedProcess(command, process.exitcode, stdout.read_text(), stderr.read_text())
+                for process, command, stdout, stderr in started]
+
+
+def cohort_environment() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore"}
 
 
 def run_afresh(command: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:

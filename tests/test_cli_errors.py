@@ -344,12 +344,14 @@ def test_a_rank_that_dies_mid_run_stops_the_other_with_one_line(debug_run_args: 
 def test_a_rank_that_hangs_stops_the_other_with_one_line(debug_run_args: list[str], tmp_path: Path) -> None:
     """Rank 1 of 2 stopped (SIGSTOP) in step 4: rank 0's collective times out, and it says in one line which rank
     never answered, after which step, the checkpoint kept and how to resume, instead of gloo's traceback. The
-    timeout is 30 s, not less: it also bounds the start-up rendezvous, which a busy machine may take seconds for."""
+    strategy's timeout is 30 s, not less: it also bounds the start-up rendezvous, which a busy machine may take
+    seconds for; once training starts, StopRank shortens it to 10 s (a step here takes milliseconds)."""
     result = run_cohort(["fit", *debug_run_args, *QUIET, "-c", str(CONFIG_DIR / "trainer/ddp_cpu.yaml"),
                          "--trainer.strategy.init_args.timeout", "0:00:30", "--trainer.max_steps", "50",
                          *batch_sizes(4, 2), "--checkpoint.every_n_train_steps", "2",
                          "--trainer.callbacks+=tests.helpers.StopRank", "--trainer.callbacks.rank=1",
-                         "--trainer.callbacks.step=3"], cwd=tmp_path, timeout=240)
+                         "--trainer.callbacks.step=3", "--trainer.callbacks.collective_timeout=10"],
+                        cwd=tmp_path, timeout=240)
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     last_line = result.stderr.strip().splitlines()[-1]

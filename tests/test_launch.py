@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from tests.helpers import (
     DDP_2, ONE_STEP, QUIET, REPO_ROOT, assert_weights_equal, batch_sizes, free_port, last_checkpoint_weights,
     run_cohort, run_in_process,
 )
+from tests.processes import run_cohorts
 
 pytestmark = pytest.mark.slow
 TORCHRUN = str(REPO_ROOT / "scripts" / "torchrun.sh")
@@ -180,10 +180,8 @@ def test_doctor_passes_on_a_good_setup(tmp_path: Path, byte_corpus: Path) -> Non
 def test_doctor_fails_when_slurm_tasks_do_not_match_the_config(tmp_path: Path, byte_corpus: Path) -> None:
     slurm = {"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4", "SLURM_NNODES": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
              "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "pretrain", "SLURM_NODELIST": "localhost"}
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore", **slurm}
-    result = subprocess.run([sys.executable, "-m", "app", "doctor", "-c", str(REPO_ROOT / "configs/quickstart.yaml"),
-                             "--data.data_dir", str(byte_corpus)], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=180)
+    [result] = run_cohorts([(["doctor", "-c", str(REPO_ROOT / "configs/quickstart.yaml"), "--data.data_dir",
+                              str(byte_corpus)], slurm)], tmp_path, timeout=180)
     assert result.returncode != 0
     assert "FAIL  world size" in result.stdout
     assert "srun started 4 processes but trainer.devices=1 x trainer.num_nodes=1 = 1" in result.stdout

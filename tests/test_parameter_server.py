@@ -4,12 +4,9 @@ killed worker and a killed server; the mistakes refused before start."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,9 +16,10 @@ from jsonargparse import Namespace
 from app.strategies.parameter_server.strategy import check_asynchronous
 from core.errors import UserError
 from tests.helpers import (
-    CONFIG_DIR, QUIET, REPO_ROOT, answered_pushes, assert_comparable_runs_agree, batch_sizes, fit, free_port,
+    CONFIG_DIR, QUIET, answered_pushes, assert_comparable_runs_agree, batch_sizes, fit, free_port,
     last_checkpoint, one_line_error, run_cohort, scalars,
 )
+from tests.processes import run_cohorts
 
 ASYNC = ["-c", str(CONFIG_DIR / "trainer/async_ps_cpu.yaml")]
 ONE_WORKER = [*ASYNC, "--trainer.devices", "2"]
@@ -128,25 +126,11 @@ def run_as_nodes(args: list[str], cwd: Path, nodes: int = 3, timeout: float = 18
     ends every process when one dies). A process still running ``timeout`` seconds after the start hangs: every one
     is killed and the test fails."""
     port = str(free_port())
-    processes = [subprocess.Popen(
-        [sys.executable, "-m", "app", "fit", *args, "--trainer.devices", "1", "--trainer.num_nodes", str(nodes)],
-        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore", "TORCHELASTIC_RUN_ID": "job",
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(nodes), "RANK": str(rank),
-             "GROUP_RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
-        for rank in range(nodes)]
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for process in processes:
-            stdout, stderr = process.communicate(timeout=max(deadline - time.monotonic(), 0))
-            results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
-    finally:
-        for process in processes:  # hung: none may outlive the test
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    return results
+    node_args = ["fit", *args, "--trainer.devices", "1", "--trainer.num_nodes", str(nodes)]
+    return run_cohorts([(node_args, {"TORCHELASTIC_RUN_ID": "job", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                                     "WORLD_SIZE": str(nodes), "RANK": str(rank), "GROUP_RANK": str(rank),
+                                     "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}) for rank in range(nodes)],
+                       cwd, timeout)
 
 
 @pytest.mark.slow
