@@ -244,6 +244,8 @@ def test_a_yaml_value_of_the_wrong_type_or_an_unknown_key_is_named(field: str, e
     (["--val_every_n_stepz", "3"], "unknown option val_every_n_stepz (did you mean val_every_n_steps?)"),
     (["--checkpoint.every_n_train_stepz=3"],
      "unknown option checkpoint.every_n_train_stepz (did you mean checkpoint.every_n_train_steps?)"),
+    (["--seed_everythin", "3"], "unknown option seed_everythin (did you mean seed_everything?)"),  # not a prefix
+    (["--trainer.max_step", "3"], "unknown option trainer.max_step (did you mean trainer.max_steps?)"),
     (["--modell.dropout", "0.1"], "unknown option modell.dropout (did you mean model.dropout?)"),
     (["--model.dropoutt", "0.1"], "unknown option model.dropoutt (did you mean model.dropout?)"),
     (["-c", str(CONFIG_DIR / "trainer/ddp_cpu.yml")],

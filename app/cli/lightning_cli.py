@@ -118,8 +118,10 @@ class CohortCLI(LightningCLI):
     def parser_descriptions(self) -> dict[str, Any]:
         """What ``--help`` says: Cohort and each subcommand, in app/cli/commands.py's words (Lightning's would be
         "Lightning Trainer command line tool" and the Trainer methods' docstrings)."""
-        return {"prog": "cohort", "description": DESCRIPTION,
-                **{command: {"description": describe(command)} for command in LIGHTNING_COMMANDS}}
+        # allow_abbrev off: argparse would take --seed_everythin 3 as --seed_everything 3, a typo run without a word
+        return {"prog": "cohort", "description": DESCRIPTION, "allow_abbrev": False,
+                **{command: {"description": describe(command), "allow_abbrev": False}
+                   for command in LIGHTNING_COMMANDS}}
 
     def add_default_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Lightning's ``--seed_everything``, but an integer only: ``true`` would draw a random seed that a resumed
