@@ -14,7 +14,7 @@ from lightning.fabric.utilities import load
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
-from torch.distributed import _serialization
+from torch.distributed import _serialization, distributed_c10d
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.distributed.pipelining import PipelineStage
 
@@ -34,6 +34,7 @@ PRIVATE_METHODS = [
     (powerSGD_hook, "_should_compress", "app/strategies/gradient_compression.py factor_slots: each Q factor's slot"),
     (_serialization, "_streaming_load", "fault_tolerance/strategy.py: a peer's state read weights-only"),
     (SingleDeviceStrategy, "_configure_launcher", "fault_tolerance/strategy.py: cohort fit starts the replica groups"),
+    (distributed_c10d, "_set_pg_timeout", "tests/helpers.py StopRank: a short collective timeout once started"),
     # undocumented, though not underscored: the methods torch's schedules call on a stage, which models/pipeline.py's
     # TimedStage overrides (a rename would leave the bubble unmeasured, or a V's middle rank raising under eval())
     (PipelineStage, "forward_one_chunk", "TimedStage: a chunk's forward counts as busy"),
