@@ -128,7 +128,8 @@ def test_a_second_ctrl_c_ends_the_run_at_once(tmp_path: Path, four_steps: list[s
                          "--trainer.callbacks+=tests.helpers.CtrlCAtStep", "--trainer.callbacks.step=4",
                          "--trainer.callbacks.micro_batch=1", "--trainer.callbacks.times=2"], cwd=tmp_path)
     assert result.returncode == 130, result.stderr[-3000:]
-    assert result.stderr.strip().splitlines()[-1] == (
-        "cohort: stopped at once by a second Ctrl-C (SIGINT), without the checkpoint of the step reached; resume "
-        "from the newest checkpoint with the same command and --ckpt_path last")
+    # among the last lines, not the last: the main thread may still log that the step will stop while the signal
+    # thread prints this and ends the process (seen once under a whole-suite coverage run)
+    assert ("cohort: stopped at once by a second Ctrl-C (SIGINT), without the checkpoint of the step reached; resume "
+            "from the newest checkpoint with the same command and --ckpt_path last") in result.stderr.splitlines()
     assert not last_checkpoint(tmp_path).exists()
