@@ -495,18 +495,6 @@ class AllReduceLog(Callback):
         (self.out_dir / f"allreduce_log_rank{trainer.global_rank}.json").write_text(json.dumps(self.calls))
 
 
-class SlowRank(Callback):
-    """Makes one rank slower: a sleep inside its step, between forward and backward."""
-
-    def __init__(self, rank: int, seconds: float) -> None:
-        self.rank = rank
-        self.seconds = seconds
-
-    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        if trainer.global_rank == self.rank:
-            time.sleep(self.seconds)
-
-
 class LagBehindWorker(Callback):
     """Parameter-server workers that count their pushes the server answered with weights (applied, or dropped as
     too stale), each into ``out_dir``/answered_rank{R}.json; worker ``rank`` also lags worker ``other`` by an exact
@@ -773,7 +761,21 @@ class SignalJobAtStep(Callback):
         if trainer.global_step == self.step + 1:
             preemption = preemption_callback(trainer)
             group = os.environ["COHORT_REPLICA_GROUP"]
-            wait_until(lambda: preemption.requested != 0, f"SIGTERM to reach replica group {group}")
+            wait_until(lambda: preemption.stop_requested != 0, f"SIGTERM to reach replica group {group}")
+
+
+class HoldForRequeueSignalAtStep(Callback):
+    """Every rank of a SLURM job's first run holds at ``step`` until the requeue signal the test sends (scancel
+    --signal) has reached it, so that the signal arrives mid-run whatever the machine's speed; a requeued run does
+    not hold."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+            preemption = preemption_callback(trainer)
+            wait_until(lambda: preemption.requeue_requested != 0, "the requeue signal")
 
 
 class KillLighthouseAtStep(Callback):

@@ -4,9 +4,14 @@ A ``cohort`` process spends about 3 s of a short test run importing torch, Light
 cores: 8.0 s for a 4-step run on 2 processes started afresh, 4.9 s forked). So each run is forked from one
 interpreter that has imported them once and run nothing (multiprocessing's forkserver; a fork after torch has run
 ops could inherit its thread pools), then behaves as ``python -m app ARGS`` would: its own session (a test can
-SIGKILL it with every rank it started), working folder, environment, output and exit code. The further ranks that
-Lightning's launcher starts are ``python -m app.__main__ ARGS``, fresh interpreters as in any run. What concerns the
-interpreter's own start (which modules a command imports) runs afresh: ``run_cohort(..., fresh_interpreter=True)``.
+SIGKILL it with every rank it started), working folder, environment, output and exit code.
+
+The further ranks that Lightning's launcher starts (``python -m app.__main__ ARGS`` with LOCAL_RANK set) would each
+be a fresh interpreter again, about 4.8 s of CPU before a 2-process run could begin. So each run forks SPARE_RANKS
+copies of itself before it runs anything, and the launcher's subprocess.Popen hands the command and environment to a
+spare instead, which becomes that rank: a child of the run, as Popen's would be, signalled and waited for alike.
+A run of more processes than spares starts the rest as fresh interpreters. What concerns the interpreter's own start
+(which modules a command imports) runs afresh: ``run_cohort(..., fresh_interpreter=True)``.
 """
 
 from __future__ import annotations
@@ -16,14 +21,17 @@ import contextlib
 import importlib.util
 import multiprocessing
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # the modules ``python -m app`` imports for its commands (app/__main__.py), imported once by the server
@@ -31,6 +39,7 @@ PRELOADED = ["app.cli.lightning_cli", "app.tools.comm", "app.tools.consolidate",
              "app.tools.export", "datamodules.prepare"]
 FORKS = multiprocessing.get_context("forkserver")
 FORKS.set_forkserver_preload(PRELOADED)
+SPARE_RANKS = 3  # the further ranks of a run of up to 4 processes, the most any test starts on one machine
 
 
 def run_cohort(args: list[str], cwd: Path, timeout: float = 300,
@@ -91,17 +100,26 @@ def run_afresh(command: list[str], cwd: Path, env: dict[str, str], timeout: floa
 
 
 def cohort_main(args: list[str], cwd: Path, env: dict[str, str], stdout: Path, stderr: Path) -> None:
-    """In the forked process: become ``python -m app ARGS`` started in ``cwd`` with ``env``, then exit with its exit
-    status, as the interpreter would (a SystemExit's code or message, 1 and the traceback for an exception)."""
+    """In the forked process: become ``python -m app ARGS`` started in ``cwd`` with ``env`` in a session of its own,
+    with spares for the ranks its launcher may start."""
     os.setsid()
+    for stream, path in ((1, stdout), (2, stderr)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), stream)
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
+    subprocess_script.subprocess = SpareRanks(SPARE_RANKS)  # the launcher's only use of the module is its Popen
+    become_cohort(args, cwd, env)
+
+
+def become_cohort(args: list[str], cwd: Path, env: dict[str, str]) -> None:
+    """Run as ``python -m app ARGS`` started in ``cwd`` with ``env``, then exit with its exit status, as the
+    interpreter would (a SystemExit's code or message, 1 and the traceback for an exception)."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
     # what an interpreter reads from its environment once, at its start or at first use, read again
     warnings.simplefilter("ignore")  # PYTHONWARNINGS=ignore
     tempfile.tempdir = None  # TMPDIR
-    for stream, path in ((1, stdout), (2, stderr)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), stream)
     # Lightning's launcher restarts this command for each further rank from sys.argv and __main__'s module
     sys.argv = [str(REPO_ROOT / "app" / "__main__.py"), *args]
     sys.modules["__main__"].__spec__ = importlib.util.find_spec("app.__main__")
@@ -121,3 +139,82 @@ def cohort_main(args: list[str], cwd: Path, env: dict[str, str], stdout: Path, s
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+class SpareRanks:
+    """Stands for the subprocess module in Lightning's launcher: its Popen of a further rank is answered by a spare
+    copy of this process, forked before it ran anything (a fork after torch has run ops could inherit its thread
+    pools), which becomes the rank; any other command, or a rank beyond the spares, is started as Popen would."""
+
+    def __init__(self, count: int) -> None:
+        pipes = [os.pipe() for _ in range(count)]
+        self.spares: list[tuple[int, int]] = []  # (pid, the pipe to send it a rank's command on)
+        for read, write in pipes:
+            pid = os.fork()
+            if pid == 0:
+                # every other end closed, so that the spare reads its pipe's end when the run ends without it
+                for fd in {fd for pipe in pipes for fd in pipe} - {read}:
+                    os.close(fd)
+                wait_to_become_a_rank(read)
+            self.spares.append((pid, write))
+        for read, _ in pipes:
+            os.close(read)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+    def Popen(self, command: list[str], env: dict[str, str] | None = None, cwd: str | None = None,
+              **options: Any) -> subprocess.Popen | SpareRank:  # noqa: N802 (subprocess's name)
+        if options or not self.spares or command[:3] != [sys.executable, "-m", "app.__main__"]:
+            return subprocess.Popen(command, env=env, cwd=cwd, **options)
+        pid, pipe = self.spares.pop(0)
+        with os.fdopen(pipe, "wb") as request:
+            pickle.dump((command[3:], cwd or os.getcwd(), dict(os.environ) if env is None else env), request)
+        return SpareRank(pid, command)
+
+
+def wait_to_become_a_rank(pipe: int) -> None:
+    """In a spare: wait for a rank's (ARGS, working folder, environment), then become ``python -m app.__main__
+    ARGS``; exit at once if the run ends without asking."""
+    with os.fdopen(pipe, "rb") as requests:
+        request = requests.read()
+    if not request:
+        os._exit(0)
+    become_cohort(*pickle.loads(request))
+
+
+class SpareRank:
+    """The part of subprocess.Popen's handle that Lightning's launcher and its process observer use, for a spare
+    become a rank (a child of this process, waited for with waitpid)."""
+
+    def __init__(self, pid: int, args: list[str]) -> None:
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+        self._waiting = threading.Lock()  # the process observer's thread polls too
+
+    def poll(self) -> int | None:
+        with self._waiting:
+            if self.returncode is None:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:  # an unwaited child keeps its pid, so this cannot reach another process
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)

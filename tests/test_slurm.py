@@ -122,13 +122,12 @@ def test_sbatch_script_trains_with_two_tasks(slurm: dict[str, str], tmp_path: Pa
 
 def test_preempted_job_requeues_and_resumes_to_the_same_weights(slurm: dict[str, str], tmp_path: Path,
                                                                 debug_run_args: list[str]) -> None:
-    run = [*debug_run_args, *QUIET, *DDP_2, "--trainer.max_steps", "150", *batch_sizes(4, 2),
+    run = [*debug_run_args, *QUIET, *DDP_2, "--trainer.max_steps", "8", *batch_sizes(4, 2),
            "--checkpoint.every_n_train_steps", "1000"]
-    slowed = ["--trainer.callbacks+=tests.helpers.SlowRank", "--trainer.callbacks.rank=0",
-              "--trainer.callbacks.seconds=0.04"]  # about 10 s of training: time for the signal to arrive mid-run
+    held = ["--trainer.callbacks+=tests.helpers.HoldForRequeueSignalAtStep", "--trainer.callbacks.step=3"]
     job_dir = tmp_path / "job"
     job_dir.mkdir()
-    job_id = submit(slurm, job_dir, [*run, *slowed])
+    job_id = submit(slurm, job_dir, [*run, *held])
     log_path = job_dir / f"slurm-{job_id}.out"
     wait_for(lambda: log_path.exists() and "preemption: SIGUSR1 will checkpoint" in log_path.read_text(), 120,
              "the training loop to install its preemption handler")
@@ -139,9 +138,9 @@ def test_preempted_job_requeues_and_resumes_to_the_same_weights(slurm: dict[str,
     assert "preemption: SIGUSR1 received, stopping after step" in log and f"job {job_id} requeued" in log
     assert "(restart 1)" in log and "resuming from" in log
     stopped_at = int(re.search(r"stopping after step (\d+)", log).group(1))
-    assert 0 < stopped_at < 150
+    assert stopped_at == 4  # held in step 4 until the signal came: the ranks agree to stop after it
 
-    straight = fit(tmp_path / "straight", run)  # not slowed: a sleep changes no weight
+    straight = fit(tmp_path / "straight", run)  # not held: a wait changes no weight
     assert_weights_equal(last_checkpoint_weights(straight), last_checkpoint_weights(job_dir))
 
 
