@@ -2,7 +2,7 @@
 
     python -m benchmarks.activation_checkpointing
 
-Both models are built by models/parallelize.py from one seed. Step time: forward + backward + AdamW step,
+Both models are built by models/parallel/parallelize.py from one seed. Step time: forward + backward + AdamW step,
 the two variants alternating, median over the repeats. Activation memory: the bytes of every tensor created
 during the forward pass that is still alive when the forward pass ends (what backward will read), counted by
 a dispatch mode that tracks each output's storage. Goals (issue #3): time <= 1.35x, activations <= 0.5x.

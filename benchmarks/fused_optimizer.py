@@ -5,7 +5,7 @@ training-step time, side by side, in float32 and under bf16 autocast.
     python -m benchmarks.fused_optimizer --device cuda         # the same on a GPU
 
 A training step is what GPTLanguageModel does: forward (under autocast for bf16-mixed) + backward + clipping at
-1.0 by ``models.parallelize.clip_grad_norm_`` + AdamW step over the two weight-decay groups + zero_grad. The three
+1.0 by ``models.parallel.parallelize.clip_grad_norm_`` + AdamW step over the two weight-decay groups + zero_grad. The three
 optimizers train three copies of one model (same seed, same batch), taking turns step by step, so drifts in host
 speed hit them alike; medians over the repeats after two warm-up rounds. GPTLanguageModel uses fused=True.
 """
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from models.gpt import GPT, gpt_config
 from models.language_model import build_gpt
 from models.optimizer import weight_decay_groups
-from models.parallelize import clip_grad_norm_
+from models.parallel.parallelize import clip_grad_norm_
 
 LEARNING_RATE = 1e-4
 IMPLEMENTATIONS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}

@@ -6,7 +6,7 @@
 A step is forward + backward of one micro-batch of ``--batch`` sequences of the model's context (the families' own
 loss), then an AdamW step: what ``cohort fit`` runs per micro-batch, without Lightning. The two models take turns
 step by step, so drifts in host speed hit both alike; medians after two warm-up rounds. Both families are built as
-``cohort fit`` builds them (models.parallelize.build_network, the run's seed), and their FLOPs per token are the
+``cohort fit`` builds them (models.parallel.parallelize.build_network, the run's seed), and their FLOPs per token are the
 families' own counts, so the tokens/s and the FLOP/s are comparable.
 """
 
@@ -23,7 +23,7 @@ from core.precision import precision_named
 from models.language_model import CausalLanguageModel, GPTLanguageModel
 from models.llama_language_model import LlamaLanguageModel
 from models.optimizer import weight_decay_groups
-from models.parallelize import build_network
+from models.parallel.parallelize import build_network
 
 
 def synchronize(device: torch.device) -> None:

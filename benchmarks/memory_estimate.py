@@ -9,7 +9,7 @@ Each row names a family and size, with the config fields it overrides (``MODELS`
 LightningModule (models/language_model.py, masked_language_model.py, image_classifier.py). The estimate is the
 doctor's: ``estimate_memory(module.plain_network, module_step_loss(module, sequence_length), ...)``, i.e. the
 module's example batch on the meta device through its ``batch_loss``. The measurement, in a new Python process,
-builds the network as the app does (``module.configure_model()`` with no trainer: models/parallelize.py's
+builds the network as the app does (``module.configure_model()`` with no trainer: models/parallel/parallelize.py's
 build_network on the CPU, with the module's activation checkpointing), then runs two optimizer steps of
 ``accumulation`` micro-batches each: a random batch of the example batch's shape (token ids below the vocabulary,
 labels below the classes, normal images), ``module.batch_loss`` under autocast for mixed precision, backward;

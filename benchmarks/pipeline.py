@@ -5,10 +5,10 @@
 
 - memory: the bytes of parameters + gradients + AdamW state each rank holds after one optimizer step, for the
   gpt2 shape with the byte vocabulary (256) and with GPT-2's own (50257), the stages built as the app builds
-  them (models/parallelize.py, models/pipeline.py). Goal (issue #10): the larger stage <= 0.55 x one process.
+  them (models/parallel/parallelize.py, models/parallel/pipeline.py). Goal (issue #10): the larger stage <= 0.55 x one process.
 - bubble: each rank's share of the pipeline's time in which it did not compute (1 - its forward and backward
   compute / the longest time a rank spent in the schedule, as the monitor logs it) for m = 2, 4, 8 pipeline
-  micro-batches under every schedule (the m it accepts), against its theory (models/pipeline.py
+  micro-batches under every schedule (the m it accepts), against its theory (models/parallel/pipeline.py
   theoretical_bubble), side by side in one run. Goals: within 0.05 once a pipeline micro-batch computes for a few
   ms; a zero-bubble schedule's below 1F1B's at the same m (issue #25).
 - speed: the time of one micro batch's forward and backward through the pipeline under each schedule (side by side
@@ -39,7 +39,7 @@ from core.run_plan import PIPELINE_SCHEDULES, RunPlan
 from models.gpt import GPTConfig, gpt_config
 from models.language_model import GPT_PIPELINE_SPLIT, build_gpt
 from models.optimizer import weight_decay_groups
-from models.pipeline import Pipeline, rank_stages, theoretical_bubble
+from models.parallel.pipeline import Pipeline, rank_stages, theoretical_bubble
 
 SEED = 1337
 # wide enough that one pipeline micro-batch (2 samples x 128 tokens through 2 blocks) computes for several ms; its 4

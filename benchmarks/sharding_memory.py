@@ -2,7 +2,7 @@
 
     python -m benchmarks.sharding_memory --model gpt2
 
-Each mode runs in its own 2 processes (gloo, CPU): the model is built as the app builds it (models/parallelize.py),
+Each mode runs in its own 2 processes (gloo, CPU): the model is built as the app builds it (models/parallel/parallelize.py),
 trained for a few optimizer steps with the app's AdamW groups, then every rank counts the bytes of the local
 tensors it holds (its shards under FSDP2; everything under DDP) and reports its peak resident memory.
 Goal (issue #3): FSDP2 / DDP <= 0.52 (ideal 0.5).

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from core.errors import UserError, check_ranges
 from core.precision import Precision
 
-# models/pipeline.py's SCHEDULES; the zero-bubble ones split each backward into input and weight gradients
+# models/parallel/pipeline.py's SCHEDULES; the zero-bubble ones split each backward into input and weight gradients
 PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 V_SHAPED_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # torch places their stages as a V (RunPlan.pipeline_stage_ranks)

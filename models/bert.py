@@ -7,8 +7,8 @@ layer, GELU and LayerNorm, then a decoder tied to the token embedding with its o
 as BERT has. Attention is bidirectional and goes through ``F.scaled_dot_product_attention``; padded keys are masked
 out with ``attention_mask``. Initialisation (``initial_std``) is BERT's: normal(0, 0.02) for every weight matrix
 and embedding, zeros for biases, ones for the norms' weights. Nothing here knows about processes, devices or
-precision: ``models/parallelize.py`` builds the model on the meta device, shards and initialises it
-(``models.parallelize.build_network``).
+precision: ``models/parallel/parallelize.py`` builds the model on the meta device, shards and initialises it
+(``models.parallel.parallelize.build_network``).
 
 As in ``models/gpt.py``, shapes are read from the tensors rather than the config wherever tensor parallelism
 shards them: a rank then holds n_head / tp heads and intermediate_size / tp feed-forward columns.
@@ -141,7 +141,7 @@ class BERT(nn.Module):
     def initial_std(self, name: str) -> float | None:
         """BERT's initialisation of parameter ``name``: the std of its zero-mean normal draw (0.02 for every weight
         matrix and embedding), or None for the norms' weights (1) and every bias (0). Applied by
-        ``models.parallelize.init_weights``."""
+        ``models.parallel.parallelize.init_weights``."""
         module = name.rsplit(".", 2)[-2]
         if name.endswith("bias") or module.startswith("ln"):
             return None

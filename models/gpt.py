@@ -4,11 +4,11 @@ Learned absolute position embeddings, pre-LayerNorm blocks, a GELU MLP of width 
 tied to the token embedding, and GPT-2's initialisation (``initial_std``: normal(0, 0.02), with the residual
 projections scaled by 1 / sqrt(2 * n_layer)). Attention goes through ``F.scaled_dot_product_attention`` so that
 the fastest kernel for the device is picked. Nothing here knows about processes, devices or precision: the model
-is built (usually on the meta device), then ``models/parallelize.py`` shards and initialises it.
+is built (usually on the meta device), then ``models/parallel/parallelize.py`` shards and initialises it.
 
 Shapes are read from the tensors, not the config, wherever tensor parallelism shards them: a rank then holds
 n_head / tp heads and 4 * n_embd / tp MLP columns. ``forward`` is ``embed``, the blocks, then ``head``: a pipeline
-stage (models/pipeline.py) is this same model with the parts other stages hold removed, running the parts it holds,
+stage (models/parallel/pipeline.py) is this same model with the parts other stages hold removed, running the parts it holds,
 so a stage's parameter names are the unsplit model's.
 """
 
@@ -124,7 +124,7 @@ class GPT(nn.Module):
     def initial_std(self, name: str) -> float | None:
         """GPT-2's initialisation of parameter ``name``: the std of its zero-mean normal draw, or None for the
         norms' weights (1) and every bias (0). Residual projections are scaled so that the residual stream's
-        variance does not grow with depth. Applied by ``models.parallelize.init_weights``."""
+        variance does not grow with depth. Applied by ``models.parallel.parallelize.init_weights``."""
         if name.endswith("bias") or name.startswith("ln_f") or ".ln_" in name:
             return None
         if name.endswith(("attn.proj.weight", "mlp.proj.weight")):

@@ -23,8 +23,8 @@ from core.tokens import IGNORE_INDEX
 from models.gpt import GPT, GPTConfig, gpt_config, training_flops_per_token
 from models.module import CohortModule
 from models.optimizer import OptimizerSettings
-from models.parallelize import TensorParallelPlan, build_network, check_tensor_parallel_size
-from models.pipeline import PipelineSplit, StageSpan, check_stages_have_blocks, keep_stage
+from models.parallel.parallelize import TensorParallelPlan, build_network, check_tensor_parallel_size
+from models.parallel.pipeline import PipelineSplit, StageSpan, check_stages_have_blocks, keep_stage
 from models.pretrained import HuggingFaceFolder, check_pretrained, weight_reader
 
 # Megatron-style: the first projection of attention and of the MLP split by output columns (whole heads, thanks to
@@ -226,7 +226,7 @@ def decode_bytes(tokens: torch.Tensor) -> str:
 def build_gpt(config: GPTConfig, device: torch.device, seed: int, device_mesh: DeviceMesh | None = None,
               stage: StageSpan | None = None, **options: Any) -> GPT:
     """A GPT (or one pipeline ``stage`` of it) built outside Lightning, as ``GPTLanguageModel`` builds it:
-    ``options`` are ``models.parallelize.build_network``'s (device_mesh, activation_checkpointing, ...)."""
+    ``options`` are ``models.parallel.parallelize.build_network``'s (device_mesh, activation_checkpointing, ...)."""
     def make_network() -> GPT:
         return GPT(config)
 

@@ -9,8 +9,8 @@ layout, not the interleaved pairs of Meta's original code), so a Hugging Face fo
 
 Shapes are read from the tensors wherever tensor parallelism shards them: a rank holds n_head / tp query heads,
 n_kv_head / tp key/value heads and intermediate_size / tp MLP columns. ``forward`` is ``embed``, the blocks, then
-``head``, so a pipeline stage (models/pipeline.py) is this model with the other stages' parts removed. Nothing here
-knows about processes, devices or precision (models/parallelize.py builds, shards and initialises it).
+``head``, so a pipeline stage (models/parallel/pipeline.py) is this model with the other stages' parts removed. Nothing here
+knows about processes, devices or precision (models/parallel/parallelize.py builds, shards and initialises it).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ from core.seeding import DEFAULT_SEED
 from models.language_model import CausalLanguageModel
 from models.llama import Llama, LlamaConfig, llama_config, llama_training_flops_per_token
 from models.optimizer import OptimizerSettings
-from models.parallelize import TensorParallelPlan
-from models.pipeline import PipelineSplit
+from models.parallel.parallelize import TensorParallelPlan
+from models.parallel.pipeline import PipelineSplit
 
 # Megatron-style, as the GPT's: the query, key and value projections and the MLP's gate and up projections split by
 # output columns (whole heads: key/value heads too, so each rank keeps its query heads' groups), the output and down

@@ -27,8 +27,8 @@ from models.bert import BERT, bert_config
 from models.masking import check_special_tokens, mask_tokens
 from models.module import CohortModule
 from models.optimizer import OptimizerSettings
-from models.parallelize import TensorParallelPlan, check_tensor_parallel_size
-from models.pipeline import PipelineSplit, check_stages_have_blocks
+from models.parallel.parallelize import TensorParallelPlan, check_tensor_parallel_size
+from models.parallel.pipeline import PipelineSplit, check_stages_have_blocks
 from models.pretrained import HuggingFaceFolder, check_pretrained, weight_reader
 
 BYTE_VOCAB_SIZE = 256  # the embedded corpus, and any data prepared byte by byte

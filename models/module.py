@@ -34,8 +34,10 @@ from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
 from models.optimizer import OptimizerSettings
-from models.parallelize import GradientNorms, TensorParallelPlan, build_network, clip_grad_norm_, repeated_blocks
-from models.pipeline import (
+from models.parallel.parallelize import (
+    GradientNorms, TensorParallelPlan, build_network, clip_grad_norm_, repeated_blocks,
+)
+from models.parallel.pipeline import (
     Pipeline, PipelineSplit, block_paths, check_split, keep_stage, merge_stages, rank_stages, tied_parts,
 )
 
@@ -70,7 +72,7 @@ class CohortModule(L.LightningModule):
         # a checkpoint's hyperparameters hold the settings as a plain dict (checkpoints are data, never objects)
         self.optimizer_settings = optimizer if isinstance(optimizer, OptimizerSettings) else OptimizerSettings(**optimizer)
         self.model: nn.Module | None = None  # the family's network, built by configure_model (sharded as the strategy says)
-        self.pipeline: Any = None  # this rank's pipeline stages and their schedule (models/pipeline.py), if any
+        self.pipeline: Any = None  # this rank's pipeline stages and their schedule (models/parallel/pipeline.py), if any
         self.run_plan: RunPlan | None = None  # handed over by the CLI before training
         self.val_loss = MeanMetric()  # the default validation_step's, weighted by samples
         self._gradient_norms: GradientNorms | None = None  # this optimizer step's, once taken (gradient_norms)
@@ -103,7 +105,7 @@ class CohortModule(L.LightningModule):
 
     # ----- what a family may provide -----
     def tensor_parallel_plan(self) -> TensorParallelPlan | None:
-        """Which Linear layers tensor parallelism splits, by module-name pattern (``models/parallelize.py``); None:
+        """Which Linear layers tensor parallelism splits, by module-name pattern (``models/parallel/parallelize.py``); None:
         the family cannot run with tensor_parallel_size > 1 (the pre-flight checks refuse it)."""
         return None
 
@@ -112,7 +114,7 @@ class CohortModule(L.LightningModule):
         return repeated_blocks(network)
 
     def pipeline_split(self) -> PipelineSplit | None:
-        """Where the network may be cut into pipeline stages (``models/pipeline.py``); None: the family cannot run
+        """Where the network may be cut into pipeline stages (``models/parallel/pipeline.py``); None: the family cannot run
         with pipeline_parallel_size > 1 (the pre-flight checks refuse it)."""
         return None
 

@@ -4,7 +4,7 @@ in ``model.safetensors.index.json``), read as data (safetensors holds tensors on
 A folder is checked before anything is built (``check_folder``): its ``config.json`` must describe the family's
 named size exactly, and its tensors must be the network's parameters, by name and shape, with none left over. The
 network is then built on the meta device as usual and each rank reads only the tensors of its own parameters,
-keeping its own slice (models/parallelize.py ``load_weights``): no rank ever holds the whole model, under FSDP2,
+keeping its own slice (models/parallel/parallelize.py ``load_weights``): no rank ever holds the whole model, under FSDP2,
 tensor parallelism or a pipeline.
 
     family   Hugging Face class      names

@@ -36,7 +36,7 @@ from core.errors import UserError
 from core.seeding import derive_seed
 from models.module import unscale_gradients
 from models.optimizer import OptimizerSettings
-from models.pipeline import TimedStage
+from models.parallel.pipeline import TimedStage
 from tests.helpers import CONFIG_DIR, one_line_error
 
 GPUS = 8

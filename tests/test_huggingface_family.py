@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from core.tokens import IGNORE_INDEX
 from models.module import CohortModule
 from models.optimizer import OptimizerSettings
-from models.parallelize import TensorParallelPlan
+from models.parallel.parallelize import TensorParallelPlan
 from tests.helpers import DDP_2, MODEL_PARALLEL, assert_comparable_runs_agree, fit
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[hf]'")

@@ -99,3 +99,26 @@ def test_layers_import_only_downwards() -> None:
               for imported in sorted(imported_project_modules(path, set(modules)))
               if layer_of(imported) not in ALLOWED_IMPORTS[layer_of(name)] | {layer_of(name)}]
     assert not upward, f"imports against the layering: {upward}"
+
+
+# the plain networks: nn.Module code that knows nothing of processes, devices or sharding
+NETWORKS = ("models.gpt", "models.llama", "models.bert", "models.resnet", "models.masking", "models.sampling")
+PARALLELISM = "models.parallel"
+
+
+def test_networks_know_nothing_of_parallelism() -> None:
+    """Parallelism (models/parallel/) is applied to a network from outside, by the family classes that build it: no
+    network imports it, directly or through another project module."""
+    modules = project_modules()
+    assert set(NETWORKS) <= set(modules) and f"{PARALLELISM}.parallelize" in modules
+    graph = {name: imported_project_modules(path, set(modules)) - {name} for name, path in modules.items()}
+
+    def reached(module: str, seen: set[str]) -> set[str]:
+        for imported in graph[module] - seen:
+            seen.add(imported)
+            reached(imported, seen)
+        return seen
+
+    parallel = {network: sorted(m for m in reached(network, set()) if layer_of(m) == "models" and
+                                (m == PARALLELISM or m.startswith(PARALLELISM + "."))) for network in NETWORKS}
+    assert not any(parallel.values()), f"networks that import parallelism: {parallel}"

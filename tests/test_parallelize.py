@@ -1,4 +1,4 @@
-"""models/parallelize.py on a 2-process gloo mesh: shard sizes, seed-determined initialisation, equal gradients;
+"""models/parallel/parallelize.py on a 2-process gloo mesh: shard sizes, seed-determined initialisation, equal gradients;
 activation checkpointing and compile in one process."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from models.gpt import GPT, GPT_CONFIGS, Block, gpt_config
 from models.language_model import build_gpt
-from models.parallelize import check_tensor_parallel_size, clip_grad_norm_
+from models.parallel.parallelize import check_tensor_parallel_size, clip_grad_norm_
 from tests.helpers import free_port
 
 CONFIG = GPT_CONFIGS["debug"]

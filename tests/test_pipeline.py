@@ -20,7 +20,7 @@ from core.precision import PRECISIONS
 from core.run_plan import RunPlan
 from models.gpt import GPT_CONFIGS
 from models.language_model import build_gpt
-from models.pipeline import split_layers
+from models.parallel.pipeline import split_layers
 from tests.helpers import (
     CLIP, MODEL_PARALLEL, PIPELINE, QUIET, SAME_VALIDATION_LOSS, assert_one_line_error,
     assert_sharded_resume_after_sigkill_is_bitwise_exact, assert_weights_agree, fit, fit_in_process, last_checkpoint,
@@ -115,7 +115,7 @@ def test_interleaved_pipeline_trains_as_one_process_does(tmp_path: Path, compara
 @dataclass(frozen=True)
 class ZeroBubbleRun:
     """The small model's 4 blocks as 4 stages on 2 pipeline ranks, its micro batch of 4 cut into ``microbatches``;
-    ``theory`` is the schedule's bubble there (models/pipeline.py IDLE_UNITS: idle / (3 units x 2 stages x m +
+    ``theory`` is the schedule's bubble there (models/parallel/pipeline.py IDLE_UNITS: idle / (3 units x 2 stages x m +
     idle))."""
 
     schedule: str

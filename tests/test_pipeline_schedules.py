@@ -24,7 +24,7 @@ from core.precision import PRECISIONS
 from core.run_plan import PIPELINE_SCHEDULES, RunPlan
 from models.gpt import GPT_CONFIGS
 from models.language_model import GPT_PIPELINE_SPLIT, build_gpt
-from models.pipeline import (
+from models.parallel.pipeline import (
     SCHEDULES,
     merge_stages,
     share_tied_weights,

@@ -59,7 +59,7 @@ def huggingface_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 
 def test_a_folder_loads_into_the_network_exactly(tmp_path: Path) -> None:
-    """The family builds its network from the folder (models/parallelize.py on the meta device, then each parameter
+    """The family builds its network from the folder (models/parallel/parallelize.py on the meta device, then each parameter
     read by name) and computes what the network that wrote it computes, to the bit."""
     source = write_llama_folder(tmp_path / "llama")
     family = LlamaLanguageModel("debug", init_from=str(tmp_path / "llama"))

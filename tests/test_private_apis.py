@@ -30,12 +30,12 @@ PRIVATE_METHODS = [
     (LightningCLI, "_parse_ckpt_path", "app/cli/lightning_cli.py: keep the user's model config, not the checkpoint's"),
     (LightningCLI, "_run_subcommand", "app/cli/lightning_cli.py: a collective timeout told with the step and checkpoint"),
     (load, "_load_distributed_checkpoint", "app/safety/checkpoints.py load_sharded_checkpoint: shards as full tensors"),
-    (torch, "_foreach_mul_", "models/parallelize.py: scale every mesh's gradients in one call when clipping"),
+    (torch, "_foreach_mul_", "models/parallel/parallelize.py: scale every mesh's gradients in one call when clipping"),
     (powerSGD_hook, "_should_compress", "app/strategies/gradient_compression.py factor_slots: each Q factor's slot"),
     (_serialization, "_streaming_load", "fault_tolerance/strategy.py: a peer's state read weights-only"),
     (SingleDeviceStrategy, "_configure_launcher", "fault_tolerance/strategy.py: cohort fit starts the replica groups"),
     (distributed_c10d, "_set_pg_timeout", "tests/helpers.py StopRank: a short collective timeout once started"),
-    # undocumented, though not underscored: the methods torch's schedules call on a stage, which models/pipeline.py's
+    # undocumented, though not underscored: the methods torch's schedules call on a stage, which models/parallel/pipeline.py's
     # TimedStage overrides (a rename would leave the bubble unmeasured, or a V's middle rank raising under eval())
     (PipelineStage, "forward_one_chunk", "TimedStage: a chunk's forward counts as busy"),
     (PipelineStage, "backward_one_chunk", "TimedStage: a chunk's backward (input gradients) counts as busy"),

@@ -27,7 +27,7 @@ from core.run_plan import RunPlan
 from datamodules.own_datamodule import share_out_training_samples
 from models.module import CohortModule
 from models.optimizer import OptimizerSettings
-from models.pipeline import PipelineSplit
+from models.parallel.pipeline import PipelineSplit
 from tests.helpers import (
     CONFIG_DIR, DDP_2, QUIET, assert_comparable_runs_agree, fit_in_process, one_line_error, run_in_process, scalars,
 )

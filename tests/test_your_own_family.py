@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from core.tokens import IGNORE_INDEX
 from models.module import CohortModule
 from models.optimizer import OptimizerSettings
-from models.parallelize import TensorParallelPlan
-from models.pipeline import PipelineSplit
+from models.parallel.parallelize import TensorParallelPlan
+from models.parallel.pipeline import PipelineSplit
 from tests.helpers import (
     CONFIG_DIR, DDP_2, MODEL_PARALLEL, QUIET, assert_comparable_runs_agree, fit, fit_in_process, one_line_error,
     run_cohort,

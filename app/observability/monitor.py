@@ -14,7 +14,7 @@ What the monitor concludes from each window (stragglers, a departing loss, slow 
 
 Under a pipeline each rank also reports its stages' compute inside the schedule and the time it waited there on
 the other stages; that wait is idle, not compute. The share of the pipeline's time in which a rank did not compute
-is its measured bubble, logged per rank beside the schedule's theoretical one (models/pipeline.py theoretical_bubble:
+is its measured bubble, logged per rank beside the schedule's theoretical one (models/parallel/pipeline.py theoretical_bubble:
 (p - 1) / (m + p - 1) for 1F1B, less for the interleaved and zero-bubble schedules).
 """
 
@@ -41,7 +41,7 @@ from app.observability.tensorboard_layout import log_final_val_loss, write_layou
 from app.observability.verdicts import DataWaitWatch, StragglerWatch, loss_departures
 from core.errors import check_ranges
 from core.run_plan import run_plan_of
-from models.pipeline import theoretical_bubble
+from models.parallel.pipeline import theoretical_bubble
 
 GIB = 2**30
 
@@ -129,7 +129,7 @@ class RankMonitor(Callback):
         self.hosts: list[str] = []
         self.summary: list[dict[str, float]] = []  # one entry per window, on every rank
         self._sync_measured = False  # set at train start: sync wait is timed (DDP on 2 ranks or more)
-        self._pipeline: Any = None  # set at train start: the module's Pipeline (models/pipeline.py), if any
+        self._pipeline: Any = None  # set at train start: the module's Pipeline (models/parallel/pipeline.py), if any
         self._cuda = False  # set at train start: the device is a GPU
         self._fields = logged_fields(self._cuda, pipeline=False)  # set at train start: those this run logs
         # seconds, for the step time and the markers off GPUs; tests give it timings of their own, which a busy

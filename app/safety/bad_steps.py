@@ -35,7 +35,7 @@ from app.safety.checkpoints import RunCheckpoint, load_training_state
 from core.errors import UserError, check_ranges
 from core.run_plan import run_plan_of
 from models.module import CohortModule
-from models.parallelize import GradientNorms
+from models.parallel.parallelize import GradientNorms
 
 Action = Literal["stop", "skip", "rollback"]
 MIN_SPIKE_HISTORY = 20  # good steps seen before a z-score means anything

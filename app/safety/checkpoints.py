@@ -47,7 +47,7 @@ from app.safety.async_checkpoints import BackgroundWriter, PendingSave
 from core.errors import UserError
 from core.run_plan import run_plan_of
 from models.module import SHAPE_HYPERPARAMETERS
-from models.parallelize import CHECKPOINT_WRAPPER_PREFIX
+from models.parallel.parallelize import CHECKPOINT_WRAPPER_PREFIX
 
 META_FILE = "meta.pt"  # what Lightning writes beside the shards: loop state, hyperparameters, callbacks
 

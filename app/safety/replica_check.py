@@ -28,7 +28,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
 from core.errors import UserError, check_ranges
-from models.parallelize import shards_data_parallel
+from models.parallel.parallelize import shards_data_parallel
 
 # the integer type of each element size: a tensor's bits, summed exactly (integer sums wrap, in any order alike)
 BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -154,7 +154,7 @@ def differing_slices(everyone: list[dict[SliceKey, tuple[int, int]]]) -> list[tu
 def check_network_is_parallelized(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
     """Under ModelParallelStrategy (FSDP2, tensor parallel) and the pipeline on several processes, a UserError unless
     the network was built sharded (every parameter a DTensor) or, under the pipeline, split into stages (plain tensors
-    where one stage is all a rank holds of the network: models/parallelize.py shards_data_parallel)."""
+    where one stage is all a rank holds of the network: models/parallel/parallelize.py shards_data_parallel)."""
     strategy = trainer.strategy
     if not isinstance(strategy, ModelParallelStrategy) or trainer.world_size < 2:
         return

@@ -2,7 +2,7 @@
 thing ModelParallelStrategy lacks for it: a third mesh dimension, and readers of one-file checkpoints and of
 folders into stages of plain tensors (one data-parallel rank) that give each stage its own part. Everything else
 (process groups, placement, FSDP2 and tensor parallelism over the inner dimensions, sharded checkpoints) is
-ModelParallelStrategy's; the stages and the schedule are built by the model (models/pipeline.py) from the run
+ModelParallelStrategy's; the stages and the schedule are built by the model (models/parallel/pipeline.py) from the run
 plan."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from app.safety.checkpoints import META_FILE
 from core.errors import UserError
-from models.parallelize import shards_data_parallel
+from models.parallel.parallelize import shards_data_parallel
 
 
 class PipelineParallelStrategy(ModelParallelStrategy):
@@ -113,7 +113,7 @@ class PipelineParallelStrategy(ModelParallelStrategy):
 
     def load_plain_stage(self, folder: Path, weights_only: bool | None) -> dict[str, Any]:
         """A sharded checkpoint folder read into a stage of plain tensors (one data- and one tensor-parallel rank:
-        models/parallelize.py shards_data_parallel), which Lightning's reader refuses for holding no DTensor. Each
+        models/parallel/parallelize.py shards_data_parallel), which Lightning's reader refuses for holding no DTensor. Each
         rank reads its own stage's weights and optimizer state only; returns the rest of the checkpoint."""
         stage = self.lightning_module
         weights = {"state_dict": get_model_state_dict(stage)}

@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from core.errors import UserError
 from core.precision import Precision, precision_named
-from models.parallelize import repeated_blocks
+from models.parallel.parallelize import repeated_blocks
 
 if TYPE_CHECKING:
     from models.module import CohortModule
