@@ -21,8 +21,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from models.gpt import GPT, gpt_config
-from models.language_model import build_gpt
+from models.gpt.family import build_gpt
+from models.gpt.network import GPT, gpt_config
 from models.optimizer import weight_decay_groups
 
 
@@ -62,7 +62,7 @@ def activation_bytes(model: GPT, tokens: torch.Tensor) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="small", help="a size from models.gpt.GPT_CONFIGS")
+    parser.add_argument("--model", default="small", help="a size from models.gpt.network.GPT_CONFIGS")
     parser.add_argument("--n_embd", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=15)

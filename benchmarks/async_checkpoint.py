@@ -4,8 +4,8 @@ background, and how fast training steps while a background write goes on, side b
     python -m benchmarks.async_checkpoint                      # gpt2 (124 M parameters), 16 saves
     python -m benchmarks.async_checkpoint --saves 8 --every 6
 
-One ``cohort fit`` of the GPT-2 shape (models/gpt.py "gpt2", its 50,257-token vocabulary: 124,439,808 parameters,
-a 1.4 GiB checkpoint with AdamW's moments) on random token ids, one process, float32, one sequence of
+One ``cohort fit`` of the GPT-2 shape (models/gpt/network.py "gpt2", its 50,257-token vocabulary: 124,439,808
+parameters, a 1.4 GiB checkpoint with AdamW's moments) on random token ids, one process, float32, one sequence of
 ``--sequence-length`` tokens per step (a step takes seconds on a CPU). A checkpoint every ``--every`` steps; the
 benchmark's callback sets ``checkpoint.async_save`` before each save, alternating synchronous and background, so
 both kinds save the same model in the same run, interleaved in time: the saves are the repeats, and medians are
@@ -41,7 +41,7 @@ from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from app.safety.checkpoints import RunCheckpoint
-from models.gpt import gpt_config
+from models.gpt.network import gpt_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VOCAB_SIZE = gpt_config("gpt2").vocab_size

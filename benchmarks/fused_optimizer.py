@@ -20,8 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from models.gpt import GPT, gpt_config
-from models.language_model import build_gpt
+from models.gpt.family import build_gpt
+from models.gpt.network import GPT, gpt_config
 from models.optimizer import weight_decay_groups
 from models.parallel.parallelize import clip_grad_norm_
 
@@ -81,7 +81,8 @@ def measure(model_name: str, precision: str, batch: int, repeats: int, device: t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["small", "gpt2"], help="sizes from models.gpt.GPT_CONFIGS")
+    parser.add_argument("--models", nargs="+", default=["small", "gpt2"],
+                        help="sizes from models.gpt.network.GPT_CONFIGS")
     parser.add_argument("--precisions", nargs="+", default=["32-true", "bf16-mixed"])
     parser.add_argument("--batch", type=int, default=8, help="samples of block_size tokens per step")
     parser.add_argument("--repeats", type=int, default=10)

@@ -95,7 +95,7 @@ def check_summary(console: str, fields: tuple[WindowField, ...]) -> Row:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--accelerator", default="gpu", choices=["gpu", "cpu"])
-    parser.add_argument("--model", default="small", help="a GPT size of models/gpt.py")
+    parser.add_argument("--model", default="small", help="a GPT size of models/gpt/network.py")
     parser.add_argument("--sequence-length", type=int, default=128, help="at most the model's block size")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--table", type=Path, help="append the rows here, tab-separated")

@@ -108,8 +108,8 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
     from core.tokens import IGNORE_INDEX
     from datamodules.samplers import GlobalBatchSampler
     from datamodules.token_files import TokenWindows
-    from models.gpt import gpt_config
-    from models.language_model import build_gpt
+    from models.gpt.network import gpt_config
+    from models.gpt.family import build_gpt
     from models.optimizer import warmup_cosine_schedule, weight_decay_groups
 
     # what GPTLanguageModel.configure_model builds: the same weights from the same seed
@@ -271,7 +271,7 @@ def report(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="small", help="a name from models.gpt.GPT_CONFIGS")
+    parser.add_argument("--model", default="small", help="a name from models.gpt.network.GPT_CONFIGS")
     parser.add_argument("--steps", type=int, default=40, help="timed optimizer steps per run")
     parser.add_argument("--warmup-steps", type=int, default=5, help="untimed optimizer steps at the start of a run")
     parser.add_argument("--repeats", type=int, default=4, help="pairs of runs, alternating which side goes first")

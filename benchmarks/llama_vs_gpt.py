@@ -20,8 +20,9 @@ import time
 import torch
 
 from core.precision import precision_named
-from models.language_model import CausalLanguageModel, GPTLanguageModel
-from models.llama_language_model import LlamaLanguageModel
+from models.causal_language_model import CausalLanguageModel
+from models.gpt.family import GPTLanguageModel
+from models.llama.family import LlamaLanguageModel
 from models.optimizer import weight_decay_groups
 from models.parallel.parallelize import build_network
 

@@ -6,7 +6,7 @@ for every model family, through the same CohortModule calls as ``cohort doctor``
     python -m benchmarks.memory_estimate --device cuda # on a GPU: CUDA peaks instead (not run yet: no GPU lent)
 
 Each row names a family and size, with the config fields it overrides (``MODELS``), and builds that family's
-LightningModule (models/language_model.py, masked_language_model.py, image_classifier.py). The estimate is the
+LightningModule (models/<family>/family.py). The estimate is the
 doctor's: ``estimate_memory(module.plain_network, module_step_loss(module, sequence_length), ...)``, i.e. the
 module's example batch on the meta device through its ``batch_loss``. The measurement, in a new Python process,
 builds the network as the app does (``module.configure_model()`` with no trainer: models/parallel/parallelize.py's
@@ -46,11 +46,11 @@ from torch.utils._pytree import tree_map
 
 from app.tools.memory import MemoryEstimate, estimate_memory, module_step_loss
 from core.precision import precision_named
-from models.image_classifier import ImageClassifier
-from models.language_model import GPTLanguageModel
-from models.masked_language_model import BertMaskedLanguageModel
+from models.bert.family import BertMaskedLanguageModel
+from models.gpt.family import GPTLanguageModel
 from models.module import CohortModule
 from models.optimizer import weight_decay_groups
+from models.resnet.family import ImageClassifier
 
 MIB = 2**20
 

@@ -36,8 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from core.errors import UserError
 from core.precision import PRECISIONS
 from core.run_plan import PIPELINE_SCHEDULES, RunPlan
-from models.gpt import GPTConfig, gpt_config
-from models.language_model import GPT_PIPELINE_SPLIT, build_gpt
+from models.gpt.family import GPT_PIPELINE_SPLIT, build_gpt
+from models.gpt.network import GPTConfig, gpt_config
 from models.optimizer import weight_decay_groups
 from models.parallel.pipeline import Pipeline, rank_stages, theoretical_bubble
 

@@ -28,8 +28,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from models.gpt import gpt_config
-from models.language_model import build_gpt
+from models.gpt.family import build_gpt
+from models.gpt.network import gpt_config
 from models.optimizer import weight_decay_groups
 
 
@@ -69,7 +69,7 @@ def free_port() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="gpt2", help="a size from models.gpt.GPT_CONFIGS")
+    parser.add_argument("--model", default="gpt2", help="a size from models.gpt.network.GPT_CONFIGS")
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
     results = mp.Manager().dict()

@@ -2,13 +2,13 @@
 the doctor, the monitor, checkpoints) talks to, and the optimizer, learning-rate schedule and clipping all families
 train with.
 
-A family (``models/language_model.py`` for GPT, ``models/masked_language_model.py`` for BERT,
-``models/image_classifier.py`` for the ResNet, or one of your own) subclasses ``CohortModule`` and says how to build
-its plain network and what its loss on one micro-batch is (and, unless its inputs are token ids, what a micro-batch
-looks like); optionally its tensor-parallel plan and where its network may be cut into pipeline stages. Cohort builds the network (``configure_model``: on the meta device,
-parallelised as the strategy says, initialised from the seed), and its default steps train and validate any
-family. The config picks the family by ``model.class_path`` (LightningCLI's subclass mode); nothing else in Cohort
-names a family.
+A family (``models/<family>/family.py``: ``models/gpt/`` for GPT, ``models/bert/`` for BERT, ``models/resnet/`` for
+the ResNet, ..., or one of your own) subclasses ``CohortModule`` and says how to build its plain network and what its
+loss on one micro-batch is (and, unless its inputs are token ids, what a micro-batch looks like); optionally its
+tensor-parallel plan, where its network may be cut into pipeline stages and how it reads and writes Hugging Face
+folders. Cohort builds the network (``configure_model``: on the meta device, parallelised as the strategy says,
+initialised from the seed), and its default steps train and validate any family. The config picks the family by
+``model.class_path`` (LightningCLI's subclass mode); nothing else in Cohort names a family.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
+from pathlib import Path
 from typing import Any, ClassVar
 
 import lightning as L
@@ -33,6 +34,8 @@ from core.errors import UserError
 from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
+from models.class_paths import current_class_path
+from models.interchange import HuggingFaceAdapter
 from models.optimizer import OptimizerSettings
 from models.parallel.parallelize import (
     GradientNorms, TensorParallelPlan, build_network, clip_grad_norm_, repeated_blocks,
@@ -55,6 +58,8 @@ class CohortModule(L.LightningModule):
     strategies that must shard or split its network (``app/cli/preflight.py``)."""
 
     commands: ClassVar[tuple[str, ...]] = ("fit", "validate")  # the Lightning subcommands the family has steps for
+    # how the family's network reads (model.init_from) and writes (cohort export) Hugging Face folders; None: not
+    huggingface: ClassVar[HuggingFaceAdapter | None] = None
 
     def __init__(self, optimizer: OptimizerSettings = OptimizerSettings()) -> None:
         """
@@ -325,6 +330,19 @@ class CohortModule(L.LightningModule):
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)  # already equal on every rank: no extra sync
 
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, weights_only: bool | None = None,
+                             **kwargs: Any) -> CohortModule:
+        """Lightning's, also for a checkpoint written before its family's class moved: the class path its
+        hyperparameters name (``_class_path``, which Lightning builds the family from) is read as today's
+        (models/class_paths.py). The checkpoint is opened twice, the first time memory-mapped for that one name."""
+        if isinstance(checkpoint_path, (str, Path)) and Path(checkpoint_path).is_file() and "_class_path" not in kwargs:
+            saved = torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=weights_only is not False)
+            class_path = saved.get("hyper_parameters", {}).get("_class_path")
+            if class_path is not None:
+                kwargs["_class_path"] = current_class_path(class_path)
+        return super().load_from_checkpoint(checkpoint_path, *args, weights_only=weights_only, **kwargs)
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record the family, so that resuming a checkpoint with another family's config stops with one line."""
         checkpoint["cohort_model_class"] = class_path_of(type(self))
@@ -375,7 +393,7 @@ class CohortModule(L.LightningModule):
 
 
 def class_path_of(cls: type) -> str:
-    """The dotted path a config names a class by, e.g. models.language_model.GPTLanguageModel."""
+    """The dotted path a config names a class by, e.g. models.gpt.family.GPTLanguageModel."""
     return f"{cls.__module__}.{cls.__qualname__}"
 
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.bert import BERT_CONFIGS
-from models.gpt import GPT_CONFIGS
-from models.llama import LLAMA_CONFIGS
+from models.bert.network import BERT_CONFIGS
+from models.gpt.network import GPT_CONFIGS
+from models.llama.network import LLAMA_CONFIGS
 
 REFERENCE_DIR = Path(__file__).parent / "data" / "huggingface"
 LOGITS_FILE = "reference_logits.safetensors"  # beside the weights: the tokens, and transformers' logits for them

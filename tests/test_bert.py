@@ -8,8 +8,8 @@ import torch
 
 from core.errors import UserError
 from core.tokens import BYTE_BERT_VOCAB_SIZE, BYTE_SPECIAL_TOKENS, IGNORE_INDEX
-from models.bert import BERT, BERT_CONFIGS, BertConfig, bert_config
-from models.masking import check_special_tokens, mask_tokens
+from models.bert.masking import check_special_tokens, mask_tokens
+from models.bert.network import BERT, BERT_CONFIGS, BertConfig, bert_config
 from models.parallel.parallelize import build_network, init_weights
 
 TINY = BERT_CONFIGS["bert-tiny"]

@@ -31,8 +31,8 @@ from app.safety.checkpoints import (
     parameter_names,
 )
 from core.errors import UserError
-from models.gpt import gpt_config
-from models.language_model import GPTLanguageModel, build_gpt
+from models.gpt.family import GPTLanguageModel, build_gpt
+from models.gpt.network import gpt_config
 from models.optimizer import weight_decay_groups
 from tests.helpers import (
     DDP_2,

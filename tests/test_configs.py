@@ -11,8 +11,8 @@ import yaml
 from jsonargparse import ArgumentParser
 from lightning.pytorch.strategies import FSDPStrategy
 
-from models.bert import Block as BertBlock
-from models.gpt import Block
+from models.bert.network import Block as BertBlock
+from models.gpt.network import Block
 from tests.helpers import QUICKSTART, QUIET, REPO_ROOT, one_line_error, run_cohort, run_in_process
 
 CONFIGS = sorted((REPO_ROOT / "configs").rglob("*.yaml"))
@@ -104,7 +104,7 @@ def test_print_config_accepts_what_fit_accepts_on_this_cpu(capsys: pytest.Captur
 def test_fsdp_preset_wraps_and_checkpoints_each_transformer_block() -> None:
     """The strategy the fsdp preset builds (constructing it needs no GPU): one FSDP unit per block, GPT's or BERT's."""
     strategy_config = yaml.safe_load((REPO_ROOT / "configs/trainer/fsdp_gpu_bf16.yaml").read_text())["trainer"]["strategy"]
-    strategy_config["init_args"]["activation_checkpointing_policy"] = ["models.gpt.Block"]
+    strategy_config["init_args"]["activation_checkpointing_policy"] = ["models.gpt.network.Block"]
     parser = ArgumentParser()
     parser.add_argument("--strategy", type=FSDPStrategy)
     strategy = parser.instantiate(parser.parse_object({"strategy": strategy_config})).strategy

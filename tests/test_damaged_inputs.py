@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from core.errors import UserError
+from models.interchange import HuggingFaceFolder
+from models.llama.huggingface import LLAMA_HUGGING_FACE
 from models.module import CohortModule
-from models.pretrained import HuggingFaceFolder, check_pretrained
 from tests.helpers import CONFIG_DIR, QUIET, one_line_error, run_folders
 from tests.test_pretrained import DEBUG, write_llama_folder
 
@@ -48,7 +49,7 @@ def test_a_damaged_hugging_face_folder_is_refused_in_one_line(damage: Callable[[
     write_llama_folder(folder)
     damage(folder)
     with pytest.raises(UserError) as error:
-        check_pretrained(HuggingFaceFolder(folder), DEBUG, "debug")
+        LLAMA_HUGGING_FACE.check_pretrained(HuggingFaceFolder(folder), DEBUG, "debug")
     assert f"model.init_from={folder}" in str(error.value) and expected in str(error.value), str(error.value)
     assert "\n" not in str(error.value)
 

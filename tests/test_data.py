@@ -23,7 +23,7 @@ from datamodules.language_modeling import LanguageModelingDataModule
 from datamodules.prepare import collect_text_files, prepare_corpus
 from datamodules.samplers import EvenShardSampler, GlobalBatchSampler
 from datamodules.token_files import PADDING_INDEX, TokenWindows, check_token_file, check_token_folder
-from models.gpt import GPT, gpt_config
+from models.gpt.network import GPT, gpt_config
 
 STEPS_PER_EPOCH = 200 // 16
 

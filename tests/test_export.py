@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from app.__main__ import main
 from app.safety.checkpoints import consolidate
 from core.errors import UserError
-from models.gpt import GPTConfig
-from models.huggingface import huggingface_gpt2_state_dict
-from models.language_model import GPTLanguageModel
+from models.gpt.family import GPTLanguageModel
+from models.gpt.huggingface import huggingface_gpt2_state_dict
+from models.gpt.network import GPTConfig
 from tests.helpers import MODEL_PARALLEL, fit, last_checkpoint, one_line_error
 
 TOKENS = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))  # a full debug-model context
@@ -141,7 +141,7 @@ def test_export_names_a_missing_checkpoint_in_one_line(tmp_path: Path, monkeypat
      "is not a checkpoint of a Cohort GPT, Llama or BERT (no model_name among its hyperparameters)"),
     ({"hyper_parameters": {"model_name": "small", "vocab_size": 256}},
      "the weights are not those of a Cohort GPT of 4 layers, width 128, vocabulary 256 (missing ['blocks.2.attn"),
-    ({"cohort_model_class": "models.image_classifier.ImageClassifier"},
+    ({"cohort_model_class": "models.resnet.family.ImageClassifier"},
      "holds a model of the family ImageClassifier, and cohort export writes GPT, Llama and BERT folders only"),
 ], ids=["no-model-name", "another-size", "another-family"])
 def test_export_refuses_what_is_not_a_cohort_gpt_checkpoint_in_one_line(

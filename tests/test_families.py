@@ -17,7 +17,7 @@ from core.precision import PRECISIONS
 from core.run_plan import RunPlan
 from core.seeding import derive_seed
 from core.tokens import IGNORE_INDEX
-from models.masked_language_model import BertMaskedLanguageModel
+from models.bert.family import BertMaskedLanguageModel
 from tests.helpers import (
     COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, QUICKSTART, SAME_VALIDATION_LOSS, adam_weight_drift,
     assert_comparable_runs_agree, assert_weights_equal, fit, fit_in_process, fit_killed_mid_accumulation,
@@ -222,7 +222,7 @@ def test_a_checkpoint_of_another_family_is_refused_in_one_line(bert_straight: Pa
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     message = one_line_error(["fit", *debug_run_args, "--ckpt_path", str(last_checkpoint(bert_straight))],
                              monkeypatch)
-    assert "holds a BertMaskedLanguageModel but the config's model.class_path is models.language_model" in message
+    assert "holds a BertMaskedLanguageModel but the config's model.class_path is models.gpt.family" in message
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from datamodules.image_files import load_digits, split_for_validation
 from datamodules.images import AugmentedImages, ImageClassificationDataModule, SampleAt
 from datamodules.samplers import GlobalBatchSampler
 from datamodules.token_files import PADDING_INDEX
-from models.resnet import ResNet, resnet_config
+from models.resnet.network import ResNet, resnet_config
 
 SEED = 7
 ALL_ON = Augmentation(crop_padding=2, rotation_degrees=15.0, translate_fraction=0.1, horizontal_flip=True)

@@ -81,7 +81,7 @@ def test_find_cycle_finds_one() -> None:
 
 def test_no_import_cycles() -> None:
     modules = project_modules()
-    assert "app.cli.lightning_cli" in modules and "models.gpt" in modules
+    assert "app.cli.lightning_cli" in modules and "models.gpt.network" in modules
     graph = {name: imported_project_modules(path, set(modules), at_run_time=True) - {name}
              for name, path in modules.items()}
     assert "app.cli.lightning_cli" in graph["app.__main__"]  # the walk sees imports at all
@@ -102,7 +102,8 @@ def test_layers_import_only_downwards() -> None:
 
 
 # the plain networks: nn.Module code that knows nothing of processes, devices or sharding
-NETWORKS = ("models.gpt", "models.llama", "models.bert", "models.resnet", "models.masking", "models.sampling")
+NETWORKS = ("models.gpt.network", "models.llama.network", "models.bert.network", "models.resnet.network",
+            "models.bert.masking", "models.sampling")
 PARALLELISM = "models.parallel"
 
 

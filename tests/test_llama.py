@@ -1,4 +1,4 @@
-"""The Llama family (models/llama.py, models/llama_language_model.py): its parts do what the architecture says, its
+"""The Llama family (models/llama/network.py, models/llama/family.py): its parts do what the architecture says, its
 named sizes are the published ones, it computes what Hugging Face's LlamaForCausalLM computes from the same
 tensors (where transformers is installed), and the doctor sizes its 8B recipe. It trains under every layout as one
 process does in tests/test_pretrained.py, from an imported folder."""
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from app.tools.doctor import main as doctor
-from models.llama import LLAMA_CONFIGS, Attention, Llama, LlamaConfig, llama3_scaled, rotary_tables, rotate
-from models.llama_language_model import LlamaLanguageModel
+from models.llama.family import LlamaLanguageModel
+from models.llama.network import LLAMA_CONFIGS, Attention, Llama, LlamaConfig, llama3_scaled, rotary_tables, rotate
 from tests.helpers import CONFIG_DIR
 
 TINY = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, block_size=16, vocab_size=64)

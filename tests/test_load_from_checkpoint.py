@@ -25,7 +25,7 @@ PROMPT = "def fibonacci(n):\n"
 # what a user would write, for each checkpoint named; prints the text and whether every weight is the checkpoint's
 LOAD_AND_GENERATE = """
 import json, sys, torch
-from models.language_model import GPTLanguageModel
+from models.gpt.family import GPTLanguageModel
 prompt = torch.tensor([list(sys.argv[1].encode())])
 for path in sys.argv[2:]:
     model = GPTLanguageModel.load_from_checkpoint(path)

@@ -13,10 +13,10 @@ from app.tools.memory import (
     storage_key, visible_device_memory,
 )
 from core.errors import UserError
-from models.gpt import GPT, GPTConfig, gpt_config
-from models.image_classifier import ImageClassifier
-from models.masked_language_model import BertMaskedLanguageModel
+from models.bert.family import BertMaskedLanguageModel
+from models.gpt.network import GPT, GPTConfig, gpt_config
 from models.module import CohortModule
+from models.resnet.family import ImageClassifier
 
 GPT2 = gpt_config("gpt2")
 GPT2_PARAMETERS = 124_439_808

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from models.gpt import GPT, GPT_CONFIGS, gpt_config
-from models.language_model import build_gpt
+from models.gpt.family import build_gpt
+from models.gpt.network import GPT, GPT_CONFIGS, gpt_config
 
 
 def test_gpt2_has_exactly_124_439_808_parameters() -> None:

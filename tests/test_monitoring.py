@@ -25,8 +25,8 @@ from app.observability.monitor import RankMonitor
 from app.observability.verdicts import median_of_others
 from core.precision import PRECISIONS, precision_named
 from core.run_plan import RunPlan
-from models.gpt import GPT_CONFIGS, training_flops_per_token
-from models.language_model import GPTLanguageModel
+from models.gpt.family import GPTLanguageModel
+from models.gpt.network import GPT_CONFIGS, training_flops_per_token
 from tests.helpers import (DDP_2, QUIET, REPO_ROOT, batch_sizes, fit_in_process, free_port, last_checkpoint_contents,
                            run_cohort, scalars)
 

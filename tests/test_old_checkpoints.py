@@ -17,13 +17,15 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 import torch
 from safetensors.torch import load_file
 
 from app.__main__ import main
-from models.language_model import GPTLanguageModel
+from models.class_paths import with_current_class_paths
+from models.gpt.family import GPTLanguageModel
 from models.module import class_path_of
-from tests.helpers import REPO_ROOT, fit_in_process, last_checkpoint
+from tests.helpers import REPO_ROOT, fit_in_process, last_checkpoint, run_in_process
 
 BEFORE = REPO_ROOT / "tests/data/before_family_folders"
 CHECKPOINT, CONFIG = BEFORE / "gpt-debug-step1.ckpt", BEFORE / "config.yaml"
@@ -65,3 +67,18 @@ def test_an_old_checkpoint_exports(tmp_path: Path) -> None:
     saved = torch.load(CHECKPOINT, map_location="cpu", weights_only=True)["state_dict"]
     assert (config["model_type"], config["n_layer"], config["n_embd"]) == ("gpt2", 2, 32)
     assert torch.equal(weights["transformer.wte.weight"], saved["model.wte.weight"])
+
+
+def test_an_old_class_path_on_the_command_line_is_read_as_today(capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    args = ["fit", "--model", "models.masked_language_model.BertMaskedLanguageModel", "--model.model_name", "bert-tiny",
+            "--data.data_dir", "corpus", "--data.sequence_length", "64", "--print_config"]
+    with pytest.raises(SystemExit) as exit_info:
+        run_in_process(args, monkeypatch)
+    assert exit_info.value.code in (0, None)
+    assert yaml.safe_load(capsys.readouterr().out)["model"]["class_path"] == "models.bert.family.BertMaskedLanguageModel"
+
+
+def test_only_whole_old_paths_are_replaced() -> None:
+    assert with_current_class_paths("[models.gpt.Block, models.gpt.BlockOfMine, my.models.gpt.Block]") == (
+        "[models.gpt.network.Block, models.gpt.BlockOfMine, my.models.gpt.Block]")

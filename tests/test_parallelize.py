@@ -15,8 +15,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
-from models.gpt import GPT, GPT_CONFIGS, Block, gpt_config
-from models.language_model import build_gpt
+from models.gpt.family import build_gpt
+from models.gpt.network import GPT, GPT_CONFIGS, Block, gpt_config
 from models.parallel.parallelize import check_tensor_parallel_size, clip_grad_norm_
 from tests.helpers import free_port
 

@@ -18,8 +18,8 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from core.errors import UserError
 from core.precision import PRECISIONS
 from core.run_plan import RunPlan
-from models.gpt import GPT_CONFIGS
-from models.language_model import build_gpt
+from models.gpt.family import build_gpt
+from models.gpt.network import GPT_CONFIGS
 from models.parallel.pipeline import split_layers
 from tests.helpers import (
     CLIP, MODEL_PARALLEL, PIPELINE, QUIET, SAME_VALIDATION_LOSS, assert_one_line_error,

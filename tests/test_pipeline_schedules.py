@@ -22,8 +22,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from core.errors import UserError
 from core.precision import PRECISIONS
 from core.run_plan import PIPELINE_SCHEDULES, RunPlan
-from models.gpt import GPT_CONFIGS
-from models.language_model import GPT_PIPELINE_SPLIT, build_gpt
+from models.gpt.family import GPT_PIPELINE_SPLIT, build_gpt
+from models.gpt.network import GPT_CONFIGS
 from models.parallel.pipeline import (
     SCHEDULES,
     merge_stages,

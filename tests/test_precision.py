@@ -25,7 +25,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from core.precision import precision_named
 from core.run_plan import RunPlan
 from datamodules.language_modeling import LanguageModelingDataModule
-from models.language_model import GPTLanguageModel
+from models.gpt.family import GPTLanguageModel
 from models.optimizer import OptimizerSettings, weight_decay_groups
 from tests.helpers import (
     CLIP, CONFIG_DIR, GPU_LAYOUTS, PRECISIONS, adam_weight_drift, assert_trains_as_one_does,

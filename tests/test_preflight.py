@@ -13,8 +13,8 @@ from app.tools.doctor import DoctorCLI
 from core.errors import UserError
 from core.precision import PRECISIONS
 from core.run_plan import RunPlan
-from models.gpt import GPT, GPT_CONFIGS
-from models.language_model import GPTLanguageModel
+from models.gpt.family import GPTLanguageModel
+from models.gpt.network import GPT, GPT_CONFIGS
 from models.optimizer import OptimizerSettings, warmup_cosine_schedule, weight_decay_groups
 
 

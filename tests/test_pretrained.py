@@ -1,6 +1,7 @@
-"""Starting from pretrained weights (models/pretrained.py): a Hugging Face folder's tensors load into Cohort's
-networks exactly, into every rank's slice under FSDP2, tensor parallelism and the pipeline; a folder that is not
-the named size's, or not safetensors, is refused in one line before anything is built. Folders that
+"""Starting from pretrained weights (models/interchange.py, and each family's models/<family>/huggingface.py): a
+Hugging Face folder's tensors load into Cohort's networks exactly, into every rank's slice under FSDP2, tensor
+parallelism and the pipeline; a folder that is not the named size's, or not safetensors, is refused in one line
+before anything is built. Folders that
 LlamaForCausalLM, GPT2LMHeadModel and BertForMaskedLM saved give Cohort the logits transformers computes, and each
 family imported, trained and exported writes what transformers saved, holding the trained weights: against the
 folders and logits saved in tests/data/huggingface/ without transformers, and against transformers itself where it
@@ -19,12 +20,14 @@ from safetensors.torch import load_file, save_file
 
 from app.__main__ import main
 from core.errors import UserError
-from models.bert import BERT, BERT_CONFIGS
-from models.language_model import GPTLanguageModel
-from models.llama import LLAMA_CONFIGS, Llama
-from models.llama_language_model import LlamaLanguageModel
-from models.masked_language_model import BertMaskedLanguageModel
-from models.pretrained import HuggingFaceFolder, bert_source, check_pretrained
+from models.bert.family import BertMaskedLanguageModel
+from models.bert.huggingface import BERT_HUGGING_FACE, bert_source
+from models.bert.network import BERT, BERT_CONFIGS
+from models.gpt.family import GPTLanguageModel
+from models.interchange import HuggingFaceFolder
+from models.llama.family import LlamaLanguageModel
+from models.llama.huggingface import LLAMA_HUGGING_FACE
+from models.llama.network import LLAMA_CONFIGS, Llama
 from tests.helpers import (
     COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_comparable_runs_agree, batch_sizes, fit, fit_in_process,
     last_checkpoint, last_checkpoint_contents, one_line_error, scalars,
@@ -103,7 +106,7 @@ def test_a_bert_pretraining_checkpoint_loads_without_its_pooler_and_next_sentenc
         "hidden_size": config.n_embd, "intermediate_size": config.intermediate_size,
         "max_position_embeddings": config.max_position_embeddings, "vocab_size": config.vocab_size}))
     family = BertMaskedLanguageModel("bert-tiny", vocab_size=256, init_from=str(tmp_path / "bert"))
-    check_pretrained(HuggingFaceFolder(tmp_path / "bert"), family.config, "bert-tiny")
+    BERT_HUGGING_FACE.check_pretrained(HuggingFaceFolder(tmp_path / "bert"), family.config, "bert-tiny")
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(family.build().eval()(tokens), source(tokens))
@@ -132,7 +135,7 @@ def test_a_folder_that_is_not_the_named_size_is_refused_in_one_line(tmp_path: Pa
     write_llama_folder(folder)
     change(folder)
     with pytest.raises(UserError) as error:
-        check_pretrained(HuggingFaceFolder(folder), DEBUG, "debug")
+        LLAMA_HUGGING_FACE.check_pretrained(HuggingFaceFolder(folder), DEBUG, "debug")
     assert expected in str(error.value) and "\n" not in str(error.value), str(error.value)
 
 

@@ -53,7 +53,7 @@ PRIVATE_ATTRIBUTES = [
     ("logger_connector", "should_update_logs", "models/module.py: a step's values logged only when the logger writes"),
     ("model_parallel", "_save_distributed_checkpoint", "checkpoints.py writes_shards: an async write's layout"),
     ("fsdp", "_state_dict_type", "checkpoints.py writes_shards: an async write's layout"),
-    ("module", "_trainer", "models/language_model.py configure_model: the trainer or None, without raising"),
+    ("module", "_trainer", "models/module.py configure_model: the trainer or None, without raising"),
     ("fused_adamw", "_step_supports_amp_scaling", "bad_steps, language_model: the step reads found_inf itself"),
     ("epoch_loop", "_batches_that_stepped", "fault_tolerance/strategy.py start_step: the committed step is logged; "
      "models/module.py write_logged_metrics: what Lightning would log there is logged a step on"),

@@ -47,10 +47,11 @@ from datamodules.base import ShardedDataModule
 from datamodules.images import ImageClassificationDataModule
 from datamodules.language_modeling import LanguageModelingDataModule
 from datamodules.own_datamodule import share_out_training_samples
-from models.image_classifier import ImageClassifier
-from models.language_model import GPTLanguageModel
-from models.masked_language_model import BertMaskedLanguageModel
+from models.bert.family import BertMaskedLanguageModel
+from models.gpt.family import GPTLanguageModel
+from models.class_paths import with_current_class_paths
 from models.module import DERIVED_FROM_DATA, CohortModule, class_path_of
+from models.resnet.family import ImageClassifier
 
 
 class CohortArgumentParser(LightningArgumentParser):
@@ -68,6 +69,11 @@ class CohortArgumentParser(LightningArgumentParser):
             raise UserError(f"{key[1]}.class_path {given!r} is not a {kind} Cohort can import: use one of "
                             + ", ".join(class_path_of(cls) for cls in known))
         raise UserError(one_line(self, message, ex))
+
+    def parse_string(self, content: str, *args: Any, **kwargs: Any) -> Namespace:
+        """jsonargparse's, for every config file and config string: the class paths it names that have moved since
+        it was written (models/class_paths.py) read as today's."""
+        return super().parse_string(with_current_class_paths(content), *args, **kwargs)
 
     # "model", "data": where the config chose a class other than the default (GPT, LanguageModelingDataModule)
     replaced_defaults: frozenset[str] = frozenset()
@@ -182,6 +188,7 @@ class CohortCLI(LightningCLI):
         argv = sys.argv[1:] if args is None else args
         if not isinstance(argv, list):
             return super().parse_arguments(parser, args)
+        argv = [with_current_class_paths(arg) for arg in argv]  # --model OLD_PATH, as a config file's (parse_string)
         given = [arg for arg in argv if not arg.startswith("--print_config")]
         parsed = parser.parse_args(given)
         subcommand = parsed.get("subcommand")
@@ -196,7 +203,7 @@ class CohortCLI(LightningCLI):
         if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
             config.trainer.precision = resolve_precision(config.trainer.precision, "cpu")
         check_config(config)
-        return super().parse_arguments(parser, args)
+        return super().parse_arguments(parser, argv)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]

@@ -2,7 +2,7 @@
 
 The training FLOPs of a sample are counted by torch's FlopCounterMode over a forward and backward pass of the
 model family's network on the meta device (``CohortModule.flops_per_sample``), which costs no memory and no compute;
-the GPT family checks the count against the standard formula (models/gpt.py ``training_flops_per_token``).
+the GPT family checks the count against the standard formula (models/gpt/network.py ``training_flops_per_token``).
 """
 
 from __future__ import annotations

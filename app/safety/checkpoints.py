@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from app.safety.async_checkpoints import BackgroundWriter, PendingSave
 from core.errors import UserError
 from core.run_plan import run_plan_of
+from models.class_paths import current_class_path
 from models.module import SHAPE_HYPERPARAMETERS
 from models.parallel.parallelize import CHECKPOINT_WRAPPER_PREFIX
 
@@ -472,7 +473,7 @@ def check_checkpoint(path: Path, model_config: Namespace, weights_only: bool = T
         check_sharded_checkpoint(path)
     checkpoint = read_checkpoint(path / META_FILE if path.is_dir() else path, weights_only)
     family = checkpoint.get("cohort_model_class")
-    if family is not None and family != model_config.class_path:
+    if family is not None and current_class_path(family) != model_config.class_path:
         raise UserError(f"checkpoint {path} holds a {family.rsplit('.', 1)[-1]} but the config's model.class_path is "
                         f"{model_config.class_path}: use that run's config.yaml, or another checkpoint")
     saved, configured = checkpoint.get("hyper_parameters", {}), model_config.init_args

@@ -8,7 +8,7 @@ model.safetensors).
 
 The checkpoint is a file or a sharded folder (read in this one process, as ``cohort consolidate`` reads it). The
 folder holds GPT-2's, LlamaForCausalLM's or BertForMaskedLM's own parameter names and layout
-(models/huggingface.py), so transformers computes the same logits as Cohort. No tokenizer is written: Cohort's
+(models/<family>/huggingface.py), so transformers computes the same logits as Cohort. No tokenizer is written: Cohort's
 checkpoints do not say which one the data was prepared with.
 """
 
@@ -26,13 +26,10 @@ from safetensors.torch import save_file
 from app.safety.checkpoints import load_checkpoint, remove_path, replace_path
 from core.errors import ArgumentParser, UserError, check_writable_folder
 from core.tokens import BYTE_BERT_VOCAB_SIZE, BYTE_SPECIAL_TOKENS
-from models.huggingface import (
-    huggingface_bert_config, huggingface_bert_state_dict, huggingface_gpt2_config, huggingface_gpt2_state_dict,
-    huggingface_llama_config, huggingface_llama_state_dict,
-)
-from models.language_model import GPTLanguageModel
-from models.llama_language_model import LlamaLanguageModel
-from models.masked_language_model import BertMaskedLanguageModel
+from models.bert.family import BertMaskedLanguageModel
+from models.gpt.family import GPTLanguageModel
+from models.llama.family import LlamaLanguageModel
+from models.class_paths import current_class_path
 from models.module import class_path_of
 
 BYTE_VOCABULARY = 256  # models trained on bytes (cohort prepare without --tokenizer): token id = byte value
@@ -70,7 +67,8 @@ def huggingface_model(checkpoint: dict[str, Any], path: Path) -> tuple[dict[str,
     shape is what the family makes of the hyperparameters it saved (the family is built, its network is not: the
     weights are the checkpoint's)."""
     saved = checkpoint.get("hyper_parameters", {})
-    family = checkpoint.get("cohort_model_class", class_path_of(GPTLanguageModel))  # older checkpoints: GPTs only
+    # checkpoints that recorded no family were all GPTs; those written before the family folders name old paths
+    family = current_class_path(checkpoint.get("cohort_model_class", class_path_of(GPTLanguageModel)))
     if family not in EXPORTED:
         raise UserError(f"{path} holds a model of the family {family.rsplit('.', 1)[-1]}, and cohort export writes "
                         "GPT, Llama and BERT folders only: pass a checkpoint of a GPT, Llama or BERT run")
@@ -84,13 +82,8 @@ def huggingface_model(checkpoint: dict[str, Any], path: Path) -> tuple[dict[str,
     prefix = "model."  # the families hold their network as self.model
     weights = {name.removeprefix(prefix): tensor for name, tensor in checkpoint["state_dict"].items()
                if name.startswith(prefix)}
-    config = model.config
-    if isinstance(model, LlamaLanguageModel):
-        return huggingface_llama_state_dict(weights, config), huggingface_llama_config(config), config
-    if isinstance(model, BertMaskedLanguageModel):
-        return (huggingface_bert_state_dict(weights, config), huggingface_bert_config(config, model.special_tokens),
-                config)
-    return huggingface_gpt2_state_dict(weights, config), huggingface_gpt2_config(config), config
+    adapter = family_class.huggingface
+    return adapter.weights(weights, model.config), adapter.config_json(model), model.config
 
 
 def write_folder(out: Path, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> None:

@@ -457,7 +457,7 @@ def spread(
 
 def next_token_loss(sequence_length: int, vocab_size: int) -> Callable[[nn.Module, int], torch.Tensor]:
     """``step_loss`` for a network mapping token ids (B, T) to logits (B, T, vocab): cross-entropy against
-    next tokens, as models/language_model.py's training_step computes it."""
+    next tokens, as models/causal_language_model.py's batch_loss computes it."""
     def step_loss(network: nn.Module, micro_batch_size: int) -> torch.Tensor:
         tokens = torch.zeros(micro_batch_size, sequence_length, dtype=torch.long)
         logits = network(tokens)  # (B, T, vocab)

@@ -54,7 +54,8 @@ def build_network(
     FSDP2 gathers the weights in, except in a network with batch norms, whose float32 running statistics cannot meet
     half-precision weights (autocast then runs its convolutions in half precision, as under DDP). ``keep_stage``
     removes what other pipeline stages hold, so that only this rank's stage is built. ``pretrained`` reads each
-    parameter's full tensor by name (models/pretrained.py) instead of initialising it from ``seed``."""
+    parameter's full tensor by name (the family's Hugging Face adapter, models/interchange.py) instead of
+    initialising it from ``seed``."""
     with torch.device("meta"):
         network = make_network()
     if keep_stage is not None:

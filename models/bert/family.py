@@ -1,11 +1,11 @@
-"""The LightningModule that pretrains a BERT with the masked-language-model objective (no next-sentence objective:
-RoBERTa showed it does not help), on the same token files as the GPT.
+"""The BERT family: the LightningModule that pretrains a BERT (models/bert/network.py) with the masked-language-model
+objective (no next-sentence objective: RoBERTa showed it does not help), on the same token files as the GPT.
 
 Each (B, T) window of the data becomes one sequence: [CLS], the window's tokens 1 .. T-2, [SEP]. Its corruption
-(models/masking.py) is drawn from a generator seeded by (seed, optimizer step, the micro-batch's place in the step's
-global batch), so masks differ across ranks and steps, a resumed run masks exactly as the uninterrupted one did, and
-a run on 2 processes masks its samples as a run on 1 does. A validation sample's masks follow from (seed, its place
-among the chosen validation samples), drawn on the CPU: the same in every validation, at any world size, on any
+(models/bert/masking.py) is drawn from a generator seeded by (seed, optimizer step, the micro-batch's place in the
+step's global batch), so masks differ across ranks and steps, a resumed run masks exactly as the uninterrupted one
+did, and a run on 2 processes masks its samples as a run on 1 does. A validation sample's masks follow from (seed, its
+place among the chosen validation samples), drawn on the CPU: the same in every validation, at any world size, on any
 device, so that validation losses of runs on 1 CPU and on N GPUs compare.
 """
 
@@ -23,19 +23,20 @@ from core.errors import UserError, check_ranges
 from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED, derive_seed
 from core.tokens import BYTE_BERT_VOCAB_SIZE, BYTE_SPECIAL_TOKENS, IGNORE_INDEX, SpecialTokens
-from models.bert import BERT, bert_config
-from models.masking import check_special_tokens, mask_tokens
+from models.bert.huggingface import BERT_HUGGING_FACE
+from models.bert.masking import check_special_tokens, mask_tokens
+from models.bert.network import BERT, bert_config
+from models.interchange import HuggingFaceFolder
 from models.module import CohortModule
 from models.optimizer import OptimizerSettings
 from models.parallel.parallelize import TensorParallelPlan, check_tensor_parallel_size
 from models.parallel.pipeline import PipelineSplit, check_stages_have_blocks
-from models.pretrained import HuggingFaceFolder, check_pretrained, weight_reader
 
 BYTE_VOCAB_SIZE = 256  # the embedded corpus, and any data prepared byte by byte
 # BERT's: 1e-4 at batch 256, warmed up over 10,000 steps, decayed to 0, weight decay 0.01, Adam's betas
 BERT_OPTIMIZER = OptimizerSettings(learning_rate=1e-4, min_learning_rate_ratio=0.0, weight_decay=0.01,
                                    betas=(0.9, 0.999), warmup_steps=10_000)
-# as GPT's (models/language_model.py): query, key and value by output columns (whole heads), the attention output
+# as GPT's (models/gpt/family.py): query, key and value by output columns (whole heads), the attention output
 # and the second feed-forward layer by input rows; embeddings, norms and the MLM head stay replicated
 # the first stage turns (masked) token ids into hidden states, the last the final hidden states into logits; the
 # last stage also keeps the token embedding, which its decoder shares
@@ -48,6 +49,7 @@ BERT_TENSOR_PARALLEL_PLAN: TensorParallelPlan = {
 
 
 class BertMaskedLanguageModel(CohortModule):
+    huggingface = BERT_HUGGING_FACE
     def __init__(
         self,
         model_name: str = "bert-small",
@@ -66,11 +68,12 @@ class BertMaskedLanguageModel(CohortModule):
     ) -> None:
         """
         Args:
-            model_name: a size from models.bert.BERT_CONFIGS ("bert-tiny", "bert-small", "bert-base", "bert-large").
+            model_name: a size from models.bert.network.BERT_CONFIGS ("bert-tiny", "bert-small", "bert-base",
+                "bert-large").
             vocab_size: the data's vocabulary; the CLI links it to data.vocab_size. Byte-level data (256) gets the four
                 special tokens after the bytes (core/tokens.py), a vocabulary of 260.
             init_from: a local Hugging Face BertForMaskedLM folder (config.json, model.safetensors or its shards) of
-                this size whose weights the run starts from (models/pretrained.py); None: initial weights from the
+                this size whose weights the run starts from (models/bert/huggingface.py); None: initial weights from the
                 seed.
             mask_token_id, cls_token_id, sep_token_id, pad_token_id: the special tokens' ids in a tokenizer's
                 vocabulary; leave them null for byte-level data.
@@ -138,13 +141,13 @@ class BertMaskedLanguageModel(CohortModule):
         if model.init_from is not None:
             _, vocab_size = special_tokens(data.vocab_size, model.mask_token_id, model.cls_token_id, model.sep_token_id,
                                            model.pad_token_id, model.mask_probability)
-            check_pretrained(HuggingFaceFolder(model.init_from), bert_config(model.model_name, vocab_size=vocab_size),
-                             model.model_name)
+            cls.huggingface.check_pretrained(HuggingFaceFolder(model.init_from),
+                                             bert_config(model.model_name, vocab_size=vocab_size), model.model_name)
 
     def pretrained_weights(self) -> Callable[[str], torch.Tensor] | None:
         if self.hparams.init_from is None:
             return None
-        return weight_reader(HuggingFaceFolder(self.hparams.init_from), self.config)
+        return self.huggingface.weight_reader(HuggingFaceFolder(self.hparams.init_from), self.config)
 
     def describe(self) -> str:
         c = self.config

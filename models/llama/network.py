@@ -9,8 +9,9 @@ layout, not the interleaved pairs of Meta's original code), so a Hugging Face fo
 
 Shapes are read from the tensors wherever tensor parallelism shards them: a rank holds n_head / tp query heads,
 n_kv_head / tp key/value heads and intermediate_size / tp MLP columns. ``forward`` is ``embed``, the blocks, then
-``head``, so a pipeline stage (models/parallel/pipeline.py) is this model with the other stages' parts removed. Nothing here
-knows about processes, devices or precision (models/parallel/parallelize.py builds, shards and initialises it).
+``head``, so a pipeline stage (models/parallel/pipeline.py) is this model with the other stages' parts removed.
+Nothing here knows about processes, devices or precision (models/parallel/parallelize.py builds, shards and
+initialises it).
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ class Llama(nn.Module):
 
 def llama_training_flops_per_token(config: LlamaConfig, sequence_length: int) -> float:
     """Training FLOPs per token: 6N over the matmul weights (the embedding lookup is none; the head is one whether
-    tied or not) and 12·L·H·Q·T for the attention scores, as models/gpt.py counts GPT's."""
+    tied or not) and 12·L·H·Q·T for the attention scores, as models/gpt/network.py counts GPT's."""
     attention = config.n_embd * config.head_size * (2 * config.n_head + 2 * config.n_kv_head)
     block = attention + 3 * config.n_embd * config.intermediate_size
     weights = config.n_layer * block + config.vocab_size * config.n_embd

@@ -8,8 +8,8 @@ is built (usually on the meta device), then ``models/parallel/parallelize.py`` s
 
 Shapes are read from the tensors, not the config, wherever tensor parallelism shards them: a rank then holds
 n_head / tp heads and 4 * n_embd / tp MLP columns. ``forward`` is ``embed``, the blocks, then ``head``: a pipeline
-stage (models/parallel/pipeline.py) is this same model with the parts other stages hold removed, running the parts it holds,
-so a stage's parameter names are the unsplit model's.
+stage (models/parallel/pipeline.py) is this same model with the parts other stages hold removed, running the parts
+it holds, so a stage's parameter names are the unsplit model's.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""The LightningModule that trains a Llama (models/llama.py): what every next-token family shares
-(models/language_model.py), with Llama's sizes, its tensor-parallel plan and its pipeline split."""
+"""The Llama family: the LightningModule that trains a Llama (models/llama/network.py): what every next-token family
+shares (models/causal_language_model.py), with Llama's sizes, its tensor-parallel plan and its pipeline split."""
 
 from __future__ import annotations
 
 from core.seeding import DEFAULT_SEED
-from models.language_model import CausalLanguageModel
-from models.llama import Llama, LlamaConfig, llama_config, llama_training_flops_per_token
+from models.causal_language_model import CausalLanguageModel
+from models.llama.huggingface import LLAMA_HUGGING_FACE
+from models.llama.network import Llama, LlamaConfig, llama_config, llama_training_flops_per_token
 from models.optimizer import OptimizerSettings
 from models.parallel.parallelize import TensorParallelPlan
 from models.parallel.pipeline import PipelineSplit
@@ -26,6 +27,7 @@ LLAMA_PIPELINE_SPLIT = PipelineSplit(first=("embed_tokens",), last=("norm", "lm_
 
 class LlamaLanguageModel(CausalLanguageModel):
     label = "Llama"
+    huggingface = LLAMA_HUGGING_FACE
 
     def __init__(
         self,
@@ -42,10 +44,10 @@ class LlamaLanguageModel(CausalLanguageModel):
     ) -> None:
         """
         Args:
-            model_name: a size from models.llama.LLAMA_CONFIGS ("debug", "small", "1b", "8b").
+            model_name: a size from models.llama.network.LLAMA_CONFIGS ("debug", "small", "1b", "8b").
             vocab_size: overrides the size's vocabulary; the CLI links it to data.vocab_size.
             init_from: a local Hugging Face folder (config.json, model.safetensors or its shards) of this size whose
-                weights the run starts from (models/pretrained.py); None: initial weights from the seed.
+                weights the run starts from (models/llama/huggingface.py); None: initial weights from the seed.
             max_new_tokens: tokens generated per prompt by ``predict``.
             temperature: sampling temperature for generation.
             top_k: sample among the k most likely tokens only; None samples from all.

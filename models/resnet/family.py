@@ -1,5 +1,5 @@
-"""The LightningModule that trains a ResNet image classifier: cross-entropy, accuracy through torchmetrics, and the
-optimizer and schedule every family shares (models/module.py).
+"""The ResNet family: the LightningModule that trains a ResNet image classifier (models/resnet/network.py):
+cross-entropy, accuracy through torchmetrics, and the optimizer and schedule every family shares (models/module.py).
 
 The images arrive augmented by the datamodule (datamodules/images.py), each micro-batch by a draw keyed by its step
 and place in the global batch; the number of classes, the channels and the image size are the data's, linked in by
@@ -21,7 +21,7 @@ from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
 from models.module import CohortModule
 from models.optimizer import OptimizerSettings
-from models.resnet import ResNet, resnet_config
+from models.resnet.network import ResNet, resnet_config
 
 # a short warmup and a high peak for a network with batch norms, decayed to 0
 RESNET_OPTIMIZER = OptimizerSettings(learning_rate=1e-2, min_learning_rate_ratio=0.0, weight_decay=5e-4,
@@ -40,7 +40,7 @@ class ImageClassifier(CohortModule):
     ) -> None:
         """
         Args:
-            model_name: a size from models.resnet.RESNET_CONFIGS ("resnet-tiny", "resnet-small", "resnet-18").
+            model_name: a size from models.resnet.network.RESNET_CONFIGS ("resnet-tiny", "resnet-small", "resnet-18").
             num_classes: the data's classes; the CLI links it from the datamodule.
             in_channels: 1 for grayscale, 3 for colour; the CLI links it from the datamodule.
             image_shape: (height, width) of the images; the CLI links it from the datamodule.

@@ -10,7 +10,7 @@ and embedding, zeros for biases, ones for the norms' weights. Nothing here knows
 precision: ``models/parallel/parallelize.py`` builds the model on the meta device, shards and initialises it
 (``models.parallel.parallelize.build_network``).
 
-As in ``models/gpt.py``, shapes are read from the tensors rather than the config wherever tensor parallelism
+As in ``models/gpt/network.py``, shapes are read from the tensors rather than the config wherever tensor parallelism
 shards them: a rank then holds n_head / tp heads and intermediate_size / tp feed-forward columns.
 """
 

@@ -1,41 +1,27 @@
-"""The LightningModules that train next-token language models: what every such family shares (the loss, the
-validation and test loss and perplexity, generation) and the GPT family (models/llama_language_model.py holds the
-Llama family)."""
+"""What every family that predicts the next token shares (GPT, models/gpt/; Llama, models/llama/): the loss, the
+validation and test loss and perplexity, generation, the checks of a named size against the run, and weights from
+a Hugging Face folder through the family's adapter."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from jsonargparse import Namespace
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.distributed.device_mesh import DeviceMesh
 from torchmetrics import MeanMetric
 
 from core.errors import UserError, check_ranges
 from core.run_plan import RunPlan
-from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
-from models.gpt import GPT, GPTConfig, gpt_config, training_flops_per_token
+from models.interchange import HuggingFaceAdapter, HuggingFaceFolder
 from models.module import CohortModule
 from models.optimizer import OptimizerSettings
-from models.parallel.parallelize import TensorParallelPlan, build_network, check_tensor_parallel_size
-from models.parallel.pipeline import PipelineSplit, StageSpan, check_stages_have_blocks, keep_stage
-from models.pretrained import HuggingFaceFolder, check_pretrained, weight_reader
-
-# Megatron-style: the first projection of attention and of the MLP split by output columns (whole heads, thanks to
-# GPT's head-interleaved qkv layout), the second by input rows, so each block needs one all-reduce forward and one
-# backward per sub-layer. Embeddings, norms and the tied head stay replicated
-GPT_TENSOR_PARALLEL_PLAN: TensorParallelPlan = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise",
-                                               "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}
-# the first stage turns token ids into hidden states, the last the final hidden states into logits; the last stage
-# also keeps the token embedding, which its output head shares
-GPT_PIPELINE_SPLIT = PipelineSplit(first=("wte", "wpe", "drop"), last=("ln_f", "lm_head"), embed=GPT.embed,
-                                   head=GPT.head)
+from models.parallel.parallelize import check_tensor_parallel_size
+from models.parallel.pipeline import check_stages_have_blocks
 
 
 class CausalLanguageModel(CohortModule):
@@ -44,6 +30,7 @@ class CausalLanguageModel(CohortModule):
 
     commands = ("fit", "validate", "test", "predict")  # test: the loss on val.bin; predict continues prompts
     label = "language model"  # what ``describe`` calls the family
+    huggingface: ClassVar[HuggingFaceAdapter]  # both families read (model.init_from) and write Hugging Face folders
 
     def __init__(self, optimizer: OptimizerSettings, max_new_tokens: int, temperature: float,
                  top_k: int | None) -> None:
@@ -100,12 +87,12 @@ class CausalLanguageModel(CohortModule):
             raise UserError(f"data.sequence_length={data.sequence_length} exceeds the block_size {config.block_size} "
                             f"of {name}: shorten the sequences or pick a larger model")
         if model.init_from is not None:
-            check_pretrained(HuggingFaceFolder(model.init_from), config, model.model_name)
+            cls.huggingface.check_pretrained(HuggingFaceFolder(model.init_from), config, model.model_name)
 
     def pretrained_weights(self) -> Callable[[str], torch.Tensor] | None:
         if self.hparams.init_from is None:
             return None
-        return weight_reader(HuggingFaceFolder(self.hparams.init_from), self.config)
+        return self.huggingface.weight_reader(HuggingFaceFolder(self.hparams.init_from), self.config)
 
     def describe(self) -> str:
         """One line on the model: its size, shape and parameter count (counted on the meta device, so before and
@@ -164,75 +151,5 @@ class CausalLanguageModel(CohortModule):
         return decode_bytes(tokens[0, prompt.size(1) :])
 
 
-class GPTLanguageModel(CausalLanguageModel):
-    label = "GPT"
-
-    def __init__(
-        self,
-        model_name: str = "small",
-        vocab_size: int | None = None,
-        init_from: str | None = None,
-        dropout: float = 0.0,
-        max_new_tokens: int = 200,
-        temperature: float = 0.8,
-        top_k: int | None = 40,
-        activation_checkpointing: bool = False,
-        compile: bool = False,
-        optimizer: OptimizerSettings = OptimizerSettings(),
-        seed: int = DEFAULT_SEED,
-    ) -> None:
-        """
-        Args:
-            model_name: a size from models.gpt.GPT_CONFIGS ("debug", "small", "gpt2", ...).
-            vocab_size: overrides the size's vocabulary; the CLI links it to data.vocab_size.
-            init_from: a local Hugging Face folder (config.json, model.safetensors or its shards) of this size whose
-                weights the run starts from (models/pretrained.py); None: initial weights from the seed.
-            dropout: dropout probability in embeddings, attention and MLP.
-            max_new_tokens: tokens generated per prompt by ``predict``.
-            temperature: sampling temperature for generation.
-            top_k: sample among the k most likely tokens only; None samples from all.
-            activation_checkpointing: recompute each block's activations in backward instead of keeping them.
-            compile: torch.compile each Transformer block.
-            optimizer: AdamW and its schedule (models/optimizer.py); a field given keeps the others' defaults.
-            seed: the initial weights and generation's sampling follow from it; the CLI links it to seed_everything.
-        """
-        super().__init__(optimizer, max_new_tokens, temperature, top_k)
-        self.save_hyperparameters()
-        check_ranges("model", {"dropout": (0 <= dropout < 1, "in [0, 1)")}, locals())
-        self.config = gpt_config(model_name, vocab_size=vocab_size, dropout=dropout)
-
-    # ----- the family's part of CohortModule -----
-    def plain_network(self) -> GPT:
-        return GPT(self.config)
-
-    def training_flops_per_token(self, sequence_length: int) -> float:
-        return training_flops_per_token(self.config, sequence_length)
-
-    @classmethod
-    def named_config(cls, model_name: str, vocab_size: int | None) -> GPTConfig:
-        return gpt_config(model_name, vocab_size=vocab_size)
-
-    def tensor_parallel_plan(self) -> TensorParallelPlan:
-        return GPT_TENSOR_PARALLEL_PLAN
-
-    def pipeline_split(self) -> PipelineSplit:
-        return GPT_PIPELINE_SPLIT
-
-
 def decode_bytes(tokens: torch.Tensor) -> str:
     return bytes(tokens.tolist()).decode("utf-8", errors="replace")
-
-
-def build_gpt(config: GPTConfig, device: torch.device, seed: int, device_mesh: DeviceMesh | None = None,
-              stage: StageSpan | None = None, **options: Any) -> GPT:
-    """A GPT (or one pipeline ``stage`` of it) built outside Lightning, as ``GPTLanguageModel`` builds it:
-    ``options`` are ``models.parallel.parallelize.build_network``'s (device_mesh, activation_checkpointing, ...)."""
-    def make_network() -> GPT:
-        return GPT(config)
-
-    cut = None
-    if stage is not None:
-        paths = [f"blocks.{index}" for index in range(config.n_layer)]
-        cut = partial(keep_stage, split=GPT_PIPELINE_SPLIT, paths=paths, span=stage)
-    return build_network(make_network, device, seed, device_mesh, tensor_parallel_plan=GPT_TENSOR_PARALLEL_PLAN,
-                         keep_stage=cut, **options)

@@ -1,0 +1,1 @@
+"""The Llama family: its network, its LightningModule and its Hugging Face (LlamaForCausalLM) adapter."""

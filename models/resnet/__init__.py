@@ -1,0 +1,1 @@
+"""The ResNet family: its network and its LightningModule."""
