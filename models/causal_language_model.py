@@ -29,7 +29,7 @@ class CausalLanguageModel(CohortModule):
     block_size and vocab_size; its network maps token ids (B, T) to logits and has ``generate``."""
 
     commands = ("fit", "validate", "test", "predict")  # test: the loss on val.bin; predict continues prompts
-    label = "language model"  # what ``describe`` calls the family
+    label = "language model"
     huggingface: ClassVar[HuggingFaceAdapter]  # both families read (model.init_from) and write Hugging Face folders
 
     def __init__(self, optimizer: OptimizerSettings, max_new_tokens: int, temperature: float,

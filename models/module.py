@@ -8,7 +8,8 @@ loss on one micro-batch is (and, unless its inputs are token ids, what a micro-b
 tensor-parallel plan, where its network may be cut into pipeline stages and how it reads and writes Hugging Face
 folders. Cohort builds the network (``configure_model``: on the meta device, parallelised as the strategy says,
 initialised from the seed), and its default steps train and validate any family. The config picks the family by
-``model.class_path`` (LightningCLI's subclass mode); nothing else in Cohort names a family.
+``model.class_path`` (LightningCLI's subclass mode); models/registry.py lists the shipped families, for the CLI's
+default and messages and for ``cohort export``.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class CohortModule(L.LightningModule):
     strategies that must shard or split its network (``app/cli/preflight.py``)."""
 
     commands: ClassVar[tuple[str, ...]] = ("fit", "validate")  # the Lightning subcommands the family has steps for
+    label: ClassVar[str] = "model"  # what messages call the family: "GPT", "BERT"
     # how the family's network reads (model.init_from) and writes (cohort export) Hugging Face folders; None: not
     huggingface: ClassVar[HuggingFaceAdapter | None] = None
 

@@ -47,11 +47,9 @@ from datamodules.base import ShardedDataModule
 from datamodules.images import ImageClassificationDataModule
 from datamodules.language_modeling import LanguageModelingDataModule
 from datamodules.own_datamodule import share_out_training_samples
-from models.bert.family import BertMaskedLanguageModel
-from models.gpt.family import GPTLanguageModel
 from models.class_paths import with_current_class_paths
 from models.module import DERIVED_FROM_DATA, CohortModule, class_path_of
-from models.resnet.family import ImageClassifier
+from models.registry import FAMILIES, families_help, family_named
 
 
 class CohortArgumentParser(LightningArgumentParser):
@@ -65,7 +63,8 @@ class CohortArgumentParser(LightningArgumentParser):
         problem = re.search(r"class_path '([^']+)':\s*(.*?)\n\s*- Expected a <class 'NoneType'>", message, re.DOTALL)
         if key and ("not correspond to a subclass" in message or (problem and UNIMPORTABLE.search(problem[2]))):
             given = problem[1] if problem else message.rsplit("Given value:", 1)[-1].strip()
-            kind, known = {"model": ("model family", FAMILIES), "data": ("datamodule", DATAMODULES)}[key[1]]
+            kind, known = {"model": ("model family", [family.module_class for family in FAMILIES]),
+                           "data": ("datamodule", DATAMODULES)}[key[1]]
             raise UserError(f"{key[1]}.class_path {given!r} is not a {kind} Cohort can import: use one of "
                             + ", ".join(class_path_of(cls) for cls in known))
         raise UserError(one_line(self, message, ex))
@@ -89,8 +88,8 @@ class CohortArgumentParser(LightningArgumentParser):
         return defaults
 
 
-# what the shipped configs name (a class of one's own that subclasses CohortModule or LightningDataModule works too)
-FAMILIES = (GPTLanguageModel, BertMaskedLanguageModel, ImageClassifier)
+# what the shipped configs name besides models/registry.py's families (a class of one's own that subclasses
+# LightningDataModule works too)
 DATAMODULES = (LanguageModelingDataModule, ImageClassificationDataModule)
 
 
@@ -123,10 +122,11 @@ class CohortCLI(LightningCLI):
 
     def parser_descriptions(self) -> dict[str, Any]:
         """What ``--help`` says: Cohort and each subcommand, in app/cli/commands.py's words (Lightning's would be
-        "Lightning Trainer command line tool" and the Trainer methods' docstrings)."""
+        "Lightning Trainer command line tool" and the Trainer methods' docstrings), and the model families
+        (models/registry.py)."""
         # allow_abbrev off: argparse would take --seed_everythin 3 as --seed_everything 3, a typo run without a word
         return {"prog": "cohort", "description": DESCRIPTION, "allow_abbrev": False,
-                **{command: {"description": describe(command), "allow_abbrev": False}
+                **{command: {"description": f"{describe(command)} {families_help()}", "allow_abbrev": False}
                    for command in LIGHTNING_COMMANDS}}
 
     def add_default_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -137,7 +137,7 @@ class CohortCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # a config that names no family trains a GPT on token files, as every config did before there were others
-        parser.set_defaults({"model": {"class_path": class_path_of(GPTLanguageModel)},
+        parser.set_defaults({"model": {"class_path": family_named("gpt").class_path},
                              "data": {"class_path": class_path_of(LanguageModelingDataModule)}})
         # what the model must agree with the data on; a link whose two ends are not both in the chosen classes is
         # skipped, so each family takes the ones it has

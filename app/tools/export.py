@@ -26,14 +26,9 @@ from safetensors.torch import save_file
 from app.safety.checkpoints import load_checkpoint, remove_path, replace_path
 from core.errors import ArgumentParser, UserError, check_writable_folder
 from core.tokens import BYTE_BERT_VOCAB_SIZE, BYTE_SPECIAL_TOKENS
-from models.bert.family import BertMaskedLanguageModel
-from models.gpt.family import GPTLanguageModel
-from models.llama.family import LlamaLanguageModel
-from models.class_paths import current_class_path
-from models.module import class_path_of
+from models.registry import EXPORTED, family_named, family_of, labels
 
 BYTE_VOCABULARY = 256  # models trained on bytes (cohort prepare without --tokenizer): token id = byte value
-EXPORTED = {class_path_of(family): family for family in (GPTLanguageModel, LlamaLanguageModel, BertMaskedLanguageModel)}
 
 
 def main(argv: list[str]) -> None:
@@ -67,22 +62,23 @@ def huggingface_model(checkpoint: dict[str, Any], path: Path) -> tuple[dict[str,
     shape is what the family makes of the hyperparameters it saved (the family is built, its network is not: the
     weights are the checkpoint's)."""
     saved = checkpoint.get("hyper_parameters", {})
-    # checkpoints that recorded no family were all GPTs; those written before the family folders name old paths
-    family = current_class_path(checkpoint.get("cohort_model_class", class_path_of(GPTLanguageModel)))
+    class_path = checkpoint.get("cohort_model_class", family_named("gpt").class_path)  # unrecorded: GPTs only
+    family = family_of(class_path)  # also by a path it had before it moved
     if family not in EXPORTED:
-        raise UserError(f"{path} holds a model of the family {family.rsplit('.', 1)[-1]}, and cohort export writes "
-                        "GPT, Llama and BERT folders only: pass a checkpoint of a GPT, Llama or BERT run")
+        raise UserError(f"{path} holds a model of the family {class_path.rsplit('.', 1)[-1]}, and cohort export "
+                        f"writes {labels(EXPORTED, 'and')} folders only: pass a checkpoint of a "
+                        f"{labels(EXPORTED, 'or')} run")
     if "model_name" not in saved:
-        raise UserError(f"{path} is not a checkpoint of a Cohort GPT, Llama or BERT (no model_name among its "
+        raise UserError(f"{path} is not a checkpoint of a Cohort {labels(EXPORTED, 'or')} (no model_name among its "
                         "hyperparameters): pass one cohort fit wrote, e.g. "
                         "lightning_logs/version_0/checkpoints/last.ckpt")
-    family_class = EXPORTED[family]
+    family_class = family.module_class
     arguments = inspect.signature(family_class).parameters  # the saved hyperparameters hold the CLI's _class_path too
     model = family_class(**{key: value for key, value in saved.items() if key in arguments and key != "init_from"})
     prefix = "model."  # the families hold their network as self.model
     weights = {name.removeprefix(prefix): tensor for name, tensor in checkpoint["state_dict"].items()
                if name.startswith(prefix)}
-    adapter = family_class.huggingface
+    adapter = family.huggingface
     return adapter.weights(weights, model.config), adapter.config_json(model), model.config
 
 

@@ -49,6 +49,7 @@ BERT_TENSOR_PARALLEL_PLAN: TensorParallelPlan = {
 
 
 class BertMaskedLanguageModel(CohortModule):
+    label = "BERT"
     huggingface = BERT_HUGGING_FACE
     def __init__(
         self,
@@ -151,7 +152,7 @@ class BertMaskedLanguageModel(CohortModule):
 
     def describe(self) -> str:
         c = self.config
-        return (f"BERT '{self.hparams.model_name}' (masked LM), {c.n_layer} layers x {c.n_head} heads, width {c.n_embd}, "
+        return (f"{self.label} '{self.hparams.model_name}' (masked LM), {c.n_layer} layers x {c.n_head} heads, width {c.n_embd}, "
                 f"{c.max_position_embeddings} positions, vocabulary {c.vocab_size}: {self.num_parameters():,} "
                 f"parameters ({self.num_parameters() * 4 / 2**20:,.1f} MiB in float32)")
 

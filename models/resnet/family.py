@@ -29,6 +29,7 @@ RESNET_OPTIMIZER = OptimizerSettings(learning_rate=1e-2, min_learning_rate_ratio
 
 
 class ImageClassifier(CohortModule):
+    label = "ResNet"
     def __init__(
         self,
         model_name: str = "resnet-small",
@@ -76,7 +77,7 @@ class ImageClassifier(CohortModule):
 
     def describe(self) -> str:
         c = self.config
-        return (f"ResNet '{self.hparams.model_name}', stages of widths {list(c.widths)} x blocks {list(c.blocks)}, "
+        return (f"{self.label} '{self.hparams.model_name}', stages of widths {list(c.widths)} x blocks {list(c.blocks)}, "
                 f"{c.in_channels} channel(s) of {self.image_shape[0]}x{self.image_shape[1]} in, {c.num_classes} "
                 f"classes: {self.num_parameters():,} parameters")
 
