@@ -4,6 +4,7 @@ too: a cycle makes the import order matter, and an upward import hides which lay
 from __future__ import annotations
 
 import ast
+from fnmatch import fnmatch
 from pathlib import Path
 
 from tests.helpers import REPO_ROOT
@@ -101,18 +102,24 @@ def test_layers_import_only_downwards() -> None:
     assert not upward, f"imports against the layering: {upward}"
 
 
-# the plain networks: nn.Module code that knows nothing of processes, devices or sharding
-NETWORKS = ("models.gpt.network", "models.llama.network", "models.bert.network", "models.resnet.network",
-            "models.bert.masking", "models.sampling")
+# the plain networks (each family's network.py, and the pieces they share): nn.Module code that knows nothing of
+# processes, devices or sharding
+NETWORK_PIECES = ("models.bert.masking", "models.sampling")
 PARALLELISM = "models.parallel"
+# the family classes and the bases they share, which build a network and parallelise it
+FAMILY_CLASSES = ("models.module", "models.causal_language_model", "models.*.family")
 
 
 def test_networks_know_nothing_of_parallelism() -> None:
-    """Parallelism (models/parallel/) is applied to a network from outside, by the family classes that build it: no
-    network imports it, directly or through another project module."""
+    """Parallelism (models/parallel/) is applied to a network from outside: no network imports it, directly or
+    through another project module, and in models/ only the family classes and their shared bases do."""
     modules = project_modules()
-    assert set(NETWORKS) <= set(modules) and f"{PARALLELISM}.parallelize" in modules
+    networks = sorted(name for name in modules if fnmatch(name, "models.*.network")) + list(NETWORK_PIECES)
+    assert len(networks) >= 6 and f"{PARALLELISM}.parallelize" in modules
     graph = {name: imported_project_modules(path, set(modules)) - {name} for name, path in modules.items()}
+
+    def is_parallelism(module: str) -> bool:
+        return module == PARALLELISM or module.startswith(PARALLELISM + ".")
 
     def reached(module: str, seen: set[str]) -> set[str]:
         for imported in graph[module] - seen:
@@ -120,6 +127,8 @@ def test_networks_know_nothing_of_parallelism() -> None:
             reached(imported, seen)
         return seen
 
-    parallel = {network: sorted(m for m in reached(network, set()) if layer_of(m) == "models" and
-                                (m == PARALLELISM or m.startswith(PARALLELISM + "."))) for network in NETWORKS}
+    parallel = {network: sorted(filter(is_parallelism, reached(network, set()))) for network in networks}
     assert not any(parallel.values()), f"networks that import parallelism: {parallel}"
+    importers = sorted(name for name, imported in graph.items() if layer_of(name) == "models"
+                       and not is_parallelism(name) and any(map(is_parallelism, imported)))
+    assert importers and all(any(fnmatch(name, pattern) for pattern in FAMILY_CLASSES) for name in importers), importers
