@@ -4,8 +4,9 @@ nothing: ``cohort --help`` answers without loading torch."""
 
 from __future__ import annotations
 
-DESCRIPTION = ("Cohort trains GPT and BERT language models and image classifiers with PyTorch Lightning, on one CPU\n"
-               "or on many GPUs and nodes with the same config, and resumes runs exactly.")
+# no family named here (models/registry.py names them; `cohort fit --help` lists them): this text loads no torch
+DESCRIPTION = ("Cohort trains language models and image classifiers with PyTorch Lightning, on one CPU or on many\n"
+               "GPUs and nodes with the same config, and resumes runs exactly.")
 
 # LightningCLI's (app/cli/lightning_cli.py); the others are Cohort's
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
