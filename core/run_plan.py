@@ -168,10 +168,6 @@ class RunPlan:
         """Which share of each global batch ``global_rank`` reads."""
         return global_rank // self.tensor_parallel_size % self.data_parallel_size
 
-    def pipeline_rank(self, global_rank: int) -> int:
-        """Which pipeline stage ``global_rank`` runs."""
-        return global_rank // (self.data_parallel_size * self.tensor_parallel_size)
-
     def tensor_parallel_rank(self, global_rank: int) -> int:
         return global_rank % self.tensor_parallel_size
 

@@ -109,7 +109,6 @@ class ParameterServer(Callback):
         self.silent = {worker: 0.0 for worker in self.workers}
         for worker in self.workers:
             self.in_flight.setdefault(worker, deque())
-        self.stopping = False
         self._parameters = [param for param in self.strategy.lightning_module.parameters()]
         self._parameter_count, self._flat_size = flat_sizes(self.strategy.lightning_module)
         self.tokens: Counter[int] = Counter()  # per worker, this run
@@ -179,18 +178,12 @@ class ParameterServer(Callback):
         return Push(worker, self.version - header.version, header.step, torch.tensor(header.loss), flat)
 
     def _hand_out(self, worker: int) -> None:
-        if self.stopping:
-            Header(Kind.STOP, self.version).send(self.group, worker)
-            return
         step = self.handed_again.popleft() if self.handed_again else self.next_step
         self.next_step += step == self.next_step
         self.in_flight[worker].append(step)
         Header(Kind.STEP, self.version, step).send(self.group, worker)
 
     def _send_weights(self, worker: int) -> None:
-        if self.stopping:
-            Header(Kind.STOP, self.version).send(self.group, worker)
-            return
         Header(Kind.WEIGHTS, self.version).send(self.group, worker)
         module = self.strategy.lightning_module
         dist.send(flat_state(module, parameters_to_vector(self._parameters)), dst=worker, group=self.group)
@@ -241,7 +234,6 @@ class ParameterServer(Callback):
     def finish(self) -> None:
         """After the last update (and its checkpoint): every worker still training is told to stop at its next
         message, and the server waits for each to leave."""
-        self.stopping = True
         for worker in self.held:
             Header(Kind.STOP, self.version).send(self.group, worker)
         self.held.clear()
