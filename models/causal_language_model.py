@@ -1,10 +1,9 @@
 """What every family that predicts the next token shares (GPT, models/gpt/; Llama, models/llama/): the loss, the
-validation and test loss and perplexity, generation, the checks of a named size against the run, and weights from
-a Hugging Face folder through the family's adapter."""
+test loss and perplexity (validation's are models/module.py's), generation, the checks of a named size against the
+run and of a Hugging Face folder to start from."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -20,8 +19,6 @@ from core.tokens import IGNORE_INDEX
 from models.interchange import HuggingFaceAdapter, HuggingFaceFolder
 from models.module import CohortModule
 from models.optimizer import OptimizerSettings
-from models.parallel.parallelize import check_tensor_parallel_size
-from models.parallel.pipeline import check_stages_have_blocks
 
 
 class CausalLanguageModel(CohortModule):
@@ -30,6 +27,7 @@ class CausalLanguageModel(CohortModule):
 
     commands = ("fit", "validate", "test", "predict")  # test: the loss on val.bin; predict continues prompts
     label = "language model"
+    logs_perplexity = True
     huggingface: ClassVar[HuggingFaceAdapter]  # both families read (model.init_from) and write Hugging Face folders
 
     def __init__(self, optimizer: OptimizerSettings, max_new_tokens: int, temperature: float,
@@ -40,7 +38,6 @@ class CausalLanguageModel(CohortModule):
             "temperature": (temperature > 0, "> 0"),
             "top_k": (top_k is None or top_k >= 1, ">= 1, or null to sample from all tokens"),
         }, {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k})
-        self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
 
     @classmethod
@@ -69,7 +66,8 @@ class CausalLanguageModel(CohortModule):
 
     def batch_loss(self, network: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch
-        return F.cross_entropy(network(inputs).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        logits = self.float_in_evaluation(network(inputs))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
 
     @classmethod
     def check_config(cls, model: Namespace, data: Namespace, plan: RunPlan) -> None:
@@ -77,63 +75,26 @@ class CausalLanguageModel(CohortModule):
         size."""
         config = cls.named_config(model.model_name, data.vocab_size)
         name = f"model '{model.model_name}'"
-        check_stages_have_blocks(plan, config.n_layer, name)
-        try:
-            for heads in cls.sharded_head_counts(config):
-                check_tensor_parallel_size(heads, plan.tensor_parallel_size)
-        except ValueError as error:
-            raise UserError(f"{error} ({name})") from None
+        cls.check_layers_and_heads(plan, config.n_layer, cls.sharded_head_counts(config), name)
         if data.sequence_length > config.block_size:
             raise UserError(f"data.sequence_length={data.sequence_length} exceeds the block_size {config.block_size} "
                             f"of {name}: shorten the sequences or pick a larger model")
         if model.init_from is not None:
             cls.huggingface.check_pretrained(HuggingFaceFolder(model.init_from), config, model.model_name)
 
-    def pretrained_weights(self) -> Callable[[str], torch.Tensor] | None:
-        if self.hparams.init_from is None:
-            return None
-        return self.huggingface.weight_reader(HuggingFaceFolder(self.hparams.init_from), self.config)
-
     def describe(self) -> str:
         """One line on the model: its size, shape and parameter count (counted on the meta device, so before and
         without building it)."""
-        parameters = self.num_parameters()
         c = self.config
         return (f"{self.label} '{self.hparams.model_name}', {c.n_layer} layers x {c.n_head} heads, width {c.n_embd}, "
-                f"context {c.block_size}, vocabulary {c.vocab_size}: {parameters:,} parameters "
-                f"({parameters * 4 / 2**20:,.1f} MiB in float32)")
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self._update_mean_loss(self.val_loss, batch)
+                f"context {c.block_size}, vocabulary {c.vocab_size}: {self.parameters_and_size()}")
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self._update_mean_loss(self.test_loss, batch)
-
-    def on_validation_epoch_end(self) -> None:
-        self._log_loss_and_perplexity("val", self.val_loss)
+        """As validation's (token-weighted, so padding and uneven shards do not change the mean), on the test data."""
+        self.accumulate(batch, self.test_loss, {})  # a language model has no metrics besides its loss
 
     def on_test_epoch_end(self) -> None:
-        self._log_loss_and_perplexity("test", self.test_loss)
-
-    def _update_mean_loss(self, metric: MeanMetric, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Token-weighted, so padding (IGNORE_INDEX) and uneven shards do not change the mean."""
-        inputs, targets = batch
-        if self.pipeline is not None:
-            metric.update(*self.pipeline.eval_step(inputs, targets))
-            return
-        logits = self.model(inputs)
-        loss_sum = F.cross_entropy(
-            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-        tokens = (targets != IGNORE_INDEX).sum()
-        metric.update(loss_sum / tokens.clamp(min=1), weight=tokens)
-
-    def _log_loss_and_perplexity(self, split: str, metric: MeanMetric) -> None:
-        loss = metric.compute()  # a collective: every rank gets the mean over all ranks' tokens
-        metric.reset()
-        # already the same on every rank; sync_dist only tells Lightning so (an all-reduce of one number)
-        self.log(f"{split}/loss", loss, prog_bar=True, sync_dist=True)
-        self.log(f"{split}/perplexity", torch.exp(loss), sync_dist=True)
+        self.log_evaluation("test", self.test_loss, {})
 
     def predict_step(self, prompt: torch.Tensor, batch_idx: int) -> dict[str, str]:
         return {"prompt": decode_bytes(prompt[0]), "completion": self.generate_text(prompt)}

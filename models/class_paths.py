@@ -22,6 +22,11 @@ MOVED_CLASS_PATHS = {
 MOVED = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, MOVED_CLASS_PATHS)) + r")(?![\w.])")
 
 
+def class_path_of(cls: type) -> str:
+    """The dotted path a config names a class by, e.g. models.gpt.family.GPTLanguageModel."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def current_class_path(class_path: str) -> str:
     """Today's path of a class that ``class_path`` names, which may be the path it had before it moved."""
     return MOVED_CLASS_PATHS.get(class_path, class_path)

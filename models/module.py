@@ -6,10 +6,11 @@ A family (``models/<family>/family.py``: ``models/gpt/`` for GPT, ``models/bert/
 the ResNet, ..., or one of your own) subclasses ``CohortModule`` and says how to build its plain network and what its
 loss on one micro-batch is (and, unless its inputs are token ids, what a micro-batch looks like); optionally its
 tensor-parallel plan, where its network may be cut into pipeline stages and how it reads and writes Hugging Face
-folders. Cohort builds the network (``configure_model``: on the meta device, parallelised as the strategy says,
-initialised from the seed), and its default steps train and validate any family. The config picks the family by
-``model.class_path`` (LightningCLI's subclass mode); models/registry.py lists the shipped families, for the CLI's
-default and messages and for ``cohort export``.
+folders, and its metrics besides the loss (``batch_metrics``). Cohort builds the network (``configure_model``: on
+the meta device, parallelised as the strategy says, initialised from the seed), and its steps train and validate
+any family (a validation's weighting, the pipeline's part and the logging are here). The config picks the family
+by ``model.class_path`` (LightningCLI's subclass mode); models/registry.py lists the shipped families, for the
+CLI's default and messages and for ``cohort export``.
 """
 
 from __future__ import annotations
@@ -21,29 +22,29 @@ from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
-import lightning as L
 import torch
 import torch.nn as nn
 from jsonargparse import Namespace
 from lightning.pytorch.plugins import Precision
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.flop_counter import FlopCounterMode
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, Metric
 
 from core.errors import UserError
 from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
-from models.class_paths import current_class_path
-from models.interchange import HuggingFaceAdapter
+from models.class_paths import class_path_of, current_class_path
+from models.interchange import HuggingFaceAdapter, HuggingFaceFolder
 from models.optimizer import OptimizerSettings
 from models.parallel.parallelize import (
-    GradientNorms, TensorParallelPlan, build_network, clip_grad_norm_, repeated_blocks,
+    GradientNorms, TensorParallelPlan, build_network, check_tensor_parallel_size, clip_grad_norm_, repeated_blocks,
 )
 from models.parallel.pipeline import (
-    Pipeline, PipelineSplit, block_paths, check_split, keep_stage, merge_stages, rank_stages, tied_parts,
+    Pipeline, PipelineSplit, block_paths, check_split, check_stages_have_blocks, keep_stage, merge_stages,
+    rank_stages, tied_parts,
 )
+from models.step_logging import StepLoggedModule
 
 # what a datamodule finds out from its data (an image folder's classes) and the model takes: the CLI links each
 # attribute of the datamodule to the model argument of the same name where both exist
@@ -52,7 +53,7 @@ DERIVED_FROM_DATA = ("num_classes", "in_channels", "image_shape")
 SHAPE_HYPERPARAMETERS = ("model_name", "vocab_size", "num_classes", "in_channels")
 
 
-class CohortModule(L.LightningModule):
+class CohortModule(StepLoggedModule):
     """The base of every model family. Subclasses give ``plain_network``, ``example_batch`` and ``batch_loss``, and
     pass their ``optimizer`` settings on (a family with hyperparameters of its own calls ``save_hyperparameters()``);
     Cohort builds ``self.model`` from them. A family that writes its own ``configure_model`` is refused under the
@@ -62,6 +63,7 @@ class CohortModule(L.LightningModule):
     label: ClassVar[str] = "model"  # what messages call the family: "GPT", "BERT"
     # how the family's network reads (model.init_from) and writes (cohort export) Hugging Face folders; None: not
     huggingface: ClassVar[HuggingFaceAdapter | None] = None
+    logs_perplexity: ClassVar[bool] = False  # a language model's: also exp(val/loss) as val/perplexity
 
     def __init__(self, optimizer: OptimizerSettings = OptimizerSettings()) -> None:
         """
@@ -81,12 +83,9 @@ class CohortModule(L.LightningModule):
         self.model: nn.Module | None = None  # the family's network, built by configure_model (sharded as the strategy says)
         self.pipeline: Any = None  # this rank's pipeline stages and their schedule (models/parallel/pipeline.py), if any
         self.run_plan: RunPlan | None = None  # handed over by the CLI before training
-        self.val_loss = MeanMetric()  # the default validation_step's, weighted by samples
+        self.val_loss = MeanMetric()  # weighted by the targets (validation_weight)
+        self.val_metrics: dict[str, Metric] = {}  # this validation's others (batch_metrics), by name
         self._gradient_norms: GradientNorms | None = None  # this optimizer step's, once taken (gradient_norms)
-        # the step's values to log (its last micro-batch's loss, the gradient norm before clipping, ...), set by
-        # training_step and clipping, logged by log_step_metrics
-        self.step_metrics: dict[str, torch.Tensor] = {}
-        self.metrics_to_write: set[str] = set()  # logged in fit, for write_logged_metrics to hand to the loggers
 
     # ----- what a family provides -----
     def plain_network(self) -> nn.Module:
@@ -110,6 +109,11 @@ class CohortModule(L.LightningModule):
         """One line on the model for the start of a run: family, size and parameter count."""
         return f"{type(self).__name__}: {self.num_parameters():,} parameters"
 
+    def parameters_and_size(self) -> str:
+        """``describe``'s end: the parameter count and what the weights take in float32."""
+        parameters = self.num_parameters()
+        return f"{parameters:,} parameters ({parameters * 4 / 2**20:,.1f} MiB in float32)"
+
     # ----- what a family may provide -----
     def tensor_parallel_plan(self) -> TensorParallelPlan | None:
         """Which Linear layers tensor parallelism splits, by module-name pattern (``models/parallel/parallelize.py``); None:
@@ -126,9 +130,26 @@ class CohortModule(L.LightningModule):
         return None
 
     def pretrained_weights(self) -> Callable[[str], torch.Tensor] | None:
-        """Reads each parameter's full tensor by name from the weights the run starts from; None: initialise them
-        from the seed."""
-        return None
+        """Reads each parameter's full tensor by name from the weights the run starts from: the Hugging Face folder
+        ``model.init_from`` names, through the family's adapter and its ``config``; None: initialise them from the
+        seed."""
+        init_from = self.hparams.get("init_from")
+        if init_from is None or self.huggingface is None:
+            return None
+        return self.huggingface.weight_reader(HuggingFaceFolder(init_from), self.config)
+
+    def batch_metrics(self, network: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor | Metric]]:
+        """``batch_loss`` of the micro-batch and, by name, the family's other metrics of the same forward pass (the
+        classifier's accuracy, BERT's masked accuracy). Training logs a step's last micro-batch's as
+        ``train/<name>``; validation (``self.training`` False) logs ``val/<name>``: a tensor there is the mean over
+        the batch's targets, weighted by them as the loss is; a torchmetrics Metric the family has fed the batch
+        accumulates itself."""
+        return self.batch_loss(network, batch), {}
+
+    def float_in_evaluation(self, outputs: torch.Tensor) -> torch.Tensor:
+        """The network's ``outputs`` as a shipped family's loss takes them: as they come in training, in float32 in
+        validation and test, whatever the precision (under bf16-true a loss of bfloat16 logits would round)."""
+        return outputs if self.training else outputs.float()
 
     def prepare_batch(self, batch: Any, batch_idx: int) -> Any:
         """The micro-batch ``batch_idx`` as ``batch_loss`` and a pipeline take it: (inputs, targets), what the first
@@ -140,6 +161,17 @@ class CohortModule(L.LightningModule):
     def check_config(cls, model: Namespace, data: Namespace, plan: RunPlan) -> None:
         """UserErrors for what this family cannot do with the config's sizes (``app/cli/preflight.py`` calls this before
         anything is built, and ``--print_config`` too)."""
+
+    @staticmethod
+    def check_layers_and_heads(plan: RunPlan, layers: int, head_counts: tuple[int, ...], name: str) -> None:
+        """UserErrors for a pipeline with a stage of no blocks among ``layers`` and for head counts the
+        tensor-parallel ranks cannot share whole; ``name`` says which model."""
+        check_stages_have_blocks(plan, layers, name)
+        try:
+            for heads in head_counts:
+                check_tensor_parallel_size(heads, plan.tensor_parallel_size)
+        except ValueError as error:
+            raise UserError(f"{error} ({name})") from None
 
     # ----- shared by every family -----
     def configure_model(self) -> None:
@@ -219,91 +251,21 @@ class CohortModule(L.LightningModule):
         return self.model(*inputs)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """The family's loss of one micro-batch, or under a pipeline its forward and backward through all stages,
-        now (Lightning's backward is then skipped). The step's last one is logged (``log_step_metrics``)."""
-        plan = run_plan_of(self)
-        if self.pipeline is not None:
+        """The family's loss (and metrics) of one micro-batch, or under a pipeline its forward and backward through
+        all stages, now (Lightning's backward is then skipped). The step's last are logged (``log_step_metrics``)."""
+        plan, metrics = run_plan_of(self), {}
+        if self.pipeline is not None:  # the loss alone: the outputs stay on the last stage
             if plan.starts_optimizer_step(batch_idx):  # see optimizer_zero_grad
                 self.optimizers().zero_grad()
             loss = self.pipeline.train_step(*self.prepare_batch(batch, batch_idx), plan.accumulation)
             if plan.ends_optimizer_step(batch_idx):
                 self.pipeline.finish_gradients()
         else:
-            loss = self.batch_loss(self.model, self.prepare_batch(batch, batch_idx))
+            loss, metrics = self.batch_metrics(self.model, self.prepare_batch(batch, batch_idx))
         if plan.ends_optimizer_step(batch_idx):
-            self.step_metrics = {"train/loss": loss.detach()}
+            self.step_metrics = {"train/loss": loss.detach(), **{f"train/{name}": value.detach()
+                                                                 for name, value in metrics.items()}}
         return loss
-
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
-        """Lightning's step (after the step's last micro-batch, its clipping and the update); then the step's values
-        are logged if the logger writes this step, so that callbacks read them in on_train_batch_end."""
-        super().optimizer_step(*args, **kwargs)
-        if self.trainer._logger_connector.should_update_logs:
-            self.log_step_metrics()
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """What the step logged (the callbacks' too: they have run) goes to the loggers here. A stop asked for in the
-        callbacks' on_train_batch_end (a preemption signal) logs this step's values too, on a step the logger would
-        not have written: the run ends with them."""
-        if self.step_metrics and self.trainer.should_stop:
-            self.log_step_metrics()
-        if (self.metrics_to_write and run_plan_of(self).ends_optimizer_step(batch_idx)
-                and self.trainer._logger_connector.should_update_logs):  # the steps Lightning's logger writes
-            self.write_logged_metrics()
-
-    def log_step_metrics(self) -> None:
-        """The step's loss, gradient norm, ... and learning rate, once. Only on the steps the logger writes (every
-        trainer.log_every_n_steps, and the step a run stops at): each self.log costs Lightning about 0.4 ms of
-        Python, a tenth of a small model's step, and the logger drops the other steps' values."""
-        for name, value in self.step_metrics.items():
-            self.log(name, value, prog_bar=name == "train/loss")
-        self.log("lr", self.lr_schedulers().get_last_lr()[0])  # the scheduler steps after on_train_batch_end
-        self.step_metrics = {}
-
-    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool | None = None,
-            on_step: bool | None = None, on_epoch: bool | None = None, **kwargs: Any) -> None:
-        """Lightning's self.log, except for what Lightning would write at its count of the steps before this one (the
-        tenth step's loss, and the validation after it, at 9): that ``write_logged_metrics`` writes at the step the
-        console's lines and the monitor's series give (10)."""
-        deferred = logger is not False and self.written_a_step_behind(on_step, on_epoch)
-        super().log(name, value, prog_bar=prog_bar, logger=False if deferred else logger, on_step=on_step,
-                    on_epoch=on_epoch, **kwargs)
-        if deferred:
-            self.metrics_to_write.add(name)
-
-    def written_a_step_behind(self, on_step: bool | None, on_epoch: bool | None) -> bool:
-        """In fit, a value of one training step (one series: not also aggregated over the epoch) or of a validation.
-        What a training epoch aggregates Lightning writes after the epoch's last step, at the step it counts."""
-        trainer = self._trainer
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
-            return False
-        if trainer.validating:
-            return not on_step
-        if on_step is None:  # Lightning's default: per step, except in the epoch hooks
-            on_step = self._current_fx_name not in ("on_train_epoch_start", "on_train_epoch_end")
-        return on_step and not on_epoch
-
-    def write_logged_metrics(self) -> None:
-        """What ``log`` kept for the loggers, as the trainer's callback metrics hold it (a validation's values reduced
-        over its batches and ranks), at Lightning's logging step plus one: the optimizer steps taken, or under the
-        fault-tolerant strategy, which sets Lightning's step to the committed ones, the step being committed. Nothing
-        of the sanity check's validation, as Lightning."""
-        trainer, names = self.trainer, self.metrics_to_write
-        self.metrics_to_write = set()
-        if trainer.sanity_checking:
-            return
-        # read on every rank, as Lightning's own logging does (a value's first reading may reduce it across ranks)
-        metrics = {name: value for name, value in trainer.callback_metrics.items() if name in names}
-        if not trainer.is_global_zero or not metrics:
-            return
-        scalars = {name: float(value) for name, value in metrics.items()}
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped + 1
-        for logger in trainer.loggers:
-            logger.log_metrics(scalars, step=step)
-
-    def on_validation_end(self) -> None:
-        if self.metrics_to_write:
-            self.write_logged_metrics()
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Lightning's backward of the training step's loss; under a pipeline the schedule has run it already."""
@@ -317,20 +279,43 @@ class CohortModule(L.LightningModule):
             super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        """The family's loss of one validation batch, weighted by its targets that are not padding (IGNORE_INDEX:
-        the windows and images that even out the ranks' shares count for nothing); a batch that is not (inputs,
-        targets), which a family of one's own may read whole, by its samples."""
-        batch = self.prepare_batch(batch, batch_idx)
+        """The family's loss and metrics (``batch_metrics``) of one validation batch, weighted by its targets that
+        are not padding (IGNORE_INDEX: the windows and images that even out the ranks' shares count for nothing);
+        a batch that is not (inputs, targets), which a family of one's own may read whole, by its samples. Under a
+        pipeline the loss alone, which the last stage computes and every stage gets."""
+        self.accumulate(self.prepare_batch(batch, batch_idx), self.val_loss, self.val_metrics)
+
+    def accumulate(self, batch: Any, loss_metric: MeanMetric, metrics: dict[str, Metric]) -> None:
+        """Add one evaluated batch's loss to ``loss_metric`` and its other metrics to ``metrics`` (by name)."""
         if self.pipeline is not None:
-            self.val_loss.update(*self.pipeline.eval_step(*batch))
+            loss_metric.update(*self.pipeline.eval_step(*batch))
             return
-        loss = self.batch_loss(self.model, batch).float()  # an all-padding batch's mean is NaN, and weighs nothing
-        self.val_loss.update(torch.nan_to_num(loss), weight=validation_weight(batch))
+        loss, batch_metrics = self.batch_metrics(self.model, batch)
+        weight = validation_weight(batch)
+        loss_metric.update(torch.nan_to_num(loss.float()), weight=weight)  # an all-padding batch's NaN weighs 0
+        for name, value in batch_metrics.items():
+            if isinstance(value, Metric):
+                metrics[name] = value
+            else:
+                # float32 whatever the default dtype (bf16-true sets bfloat16 around the step)
+                mean = metrics.setdefault(name, MeanMetric().set_dtype(torch.float32).to(self.device))
+                mean.update(torch.nan_to_num(value.float()), weight=weight)
 
     def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()  # a collective: the mean over every rank's samples
-        self.val_loss.reset()
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True)  # already equal on every rank: no extra sync
+        self.log_evaluation("val", self.val_loss, self.val_metrics)
+
+    def log_evaluation(self, split: str, loss_metric: MeanMetric, metrics: dict[str, Metric]) -> None:
+        """Log ``split``/loss (and perplexity, for a language model) and the other metrics, then start them over. Each
+        compute is a collective (over every rank's targets): the values are equal on every rank, sync_dist says so."""
+        loss = loss_metric.compute()
+        loss_metric.reset()
+        self.log(f"{split}/loss", loss, prog_bar=True, sync_dist=True)
+        if self.logs_perplexity:
+            self.log(f"{split}/perplexity", torch.exp(loss), sync_dist=True)
+        for name, metric in metrics.items():
+            self.log(f"{split}/{name}", metric.compute(), prog_bar=True, sync_dist=True)
+            metric.reset()
+        metrics.clear()
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, weights_only: bool | None = None,
@@ -392,11 +377,6 @@ class CohortModule(L.LightningModule):
         """The family's optimizer settings over its network (models/optimizer.py)."""
         return self.optimizer_settings.configure(self.model, self.device, run_plan_of(self).global_batch_size,
                                                  self.trainer.estimated_stepping_batches)
-
-
-def class_path_of(cls: type) -> str:
-    """The dotted path a config names a class by, e.g. models.gpt.family.GPTLanguageModel."""
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def unscale_gradients(precision_plugin: Precision, optimizer: torch.optim.Optimizer) -> None:

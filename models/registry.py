@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.bert.family import BertMaskedLanguageModel
-from models.class_paths import current_class_path
+from models.class_paths import class_path_of, current_class_path
 from models.gpt.family import GPTLanguageModel
 from models.interchange import HuggingFaceAdapter
 from models.llama.family import LlamaLanguageModel
-from models.module import CohortModule, class_path_of
+from models.module import CohortModule
 from models.resnet.family import ImageClassifier
 
 

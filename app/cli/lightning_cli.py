@@ -47,8 +47,8 @@ from datamodules.base import ShardedDataModule
 from datamodules.images import ImageClassificationDataModule
 from datamodules.language_modeling import LanguageModelingDataModule
 from datamodules.own_datamodule import share_out_training_samples
-from models.class_paths import with_current_class_paths
-from models.module import DERIVED_FROM_DATA, CohortModule, class_path_of
+from models.class_paths import class_path_of, with_current_class_paths
+from models.module import DERIVED_FROM_DATA, CohortModule
 from models.registry import FAMILIES, families_help, family_named
 
 

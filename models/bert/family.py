@@ -11,13 +11,10 @@ device, so that validation losses of runs on 1 CPU and on N GPUs compare.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from jsonargparse import Namespace
-from torchmetrics import MeanMetric
 
 from core.errors import UserError, check_ranges
 from core.run_plan import RunPlan, run_plan_of
@@ -29,8 +26,8 @@ from models.bert.network import BERT, bert_config
 from models.interchange import HuggingFaceFolder
 from models.module import CohortModule
 from models.optimizer import OptimizerSettings
-from models.parallel.parallelize import TensorParallelPlan, check_tensor_parallel_size
-from models.parallel.pipeline import PipelineSplit, check_stages_have_blocks
+from models.parallel.parallelize import TensorParallelPlan
+from models.parallel.pipeline import PipelineSplit
 
 BYTE_VOCAB_SIZE = 256  # the embedded corpus, and any data prepared byte by byte
 # BERT's: 1e-4 at batch 256, warmed up over 10,000 steps, decayed to 0, weight decay 0.01, Adam's betas
@@ -51,6 +48,7 @@ BERT_TENSOR_PARALLEL_PLAN: TensorParallelPlan = {
 class BertMaskedLanguageModel(CohortModule):
     label = "BERT"
     huggingface = BERT_HUGGING_FACE
+    logs_perplexity = True
     def __init__(
         self,
         model_name: str = "bert-small",
@@ -91,8 +89,6 @@ class BertMaskedLanguageModel(CohortModule):
         self.special_tokens, model_vocab_size = special_tokens(vocab_size, mask_token_id, cls_token_id, sep_token_id,
                                                                pad_token_id, mask_probability)
         self.config = bert_config(model_name, vocab_size=model_vocab_size, dropout=dropout)
-        self.val_loss = MeanMetric()
-        self.val_accuracy = MeanMetric()
         self.validation_samples_read = 0  # by this rank in this validation: where its next micro-batch starts
 
     # ----- the family's part of CohortModule -----
@@ -105,8 +101,19 @@ class BertMaskedLanguageModel(CohortModule):
         return tokens, tokens.clone()  # inputs and labels: two tensors, as masking makes (the memory estimate counts both)
 
     def batch_loss(self, network: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.batch_metrics(network, batch)[0]
+
+    def batch_metrics(self, network: nn.Module,
+                      batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss on the tokens chosen for prediction; in validation also the share of them predicted right
+        (``masked_accuracy``). Under a pipeline validation has the loss alone: the logits stay on the last stage."""
         inputs, labels = batch
-        return F.cross_entropy(network(inputs).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+        logits = self.float_in_evaluation(network(inputs))
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+        if self.training:
+            return loss, {}
+        chosen = labels != IGNORE_INDEX
+        return loss, {"masked_accuracy": (logits[chosen].argmax(-1) == labels[chosen]).float().mean()}
 
     def prepare_batch(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[CLS] window [SEP], masked: in training by the micro-batch's place in the step's global batch
@@ -128,11 +135,7 @@ class BertMaskedLanguageModel(CohortModule):
     def check_config(cls, model: Namespace, data: Namespace, plan: RunPlan) -> None:
         config = bert_config(model.model_name)
         name = f"model '{model.model_name}'"
-        check_stages_have_blocks(plan, config.n_layer, name)
-        try:
-            check_tensor_parallel_size(config.n_head, plan.tensor_parallel_size)
-        except ValueError as error:
-            raise UserError(f"{error} ({name})") from None
+        cls.check_layers_and_heads(plan, config.n_layer, (config.n_head,), name)
         if data.sequence_length > config.max_position_embeddings:
             raise UserError(f"data.sequence_length={data.sequence_length} exceeds the {config.max_position_embeddings} "
                             f"positions of {name}: shorten the sequences or pick a larger model")
@@ -145,16 +148,10 @@ class BertMaskedLanguageModel(CohortModule):
             cls.huggingface.check_pretrained(HuggingFaceFolder(model.init_from),
                                              bert_config(model.model_name, vocab_size=vocab_size), model.model_name)
 
-    def pretrained_weights(self) -> Callable[[str], torch.Tensor] | None:
-        if self.hparams.init_from is None:
-            return None
-        return self.huggingface.weight_reader(HuggingFaceFolder(self.hparams.init_from), self.config)
-
     def describe(self) -> str:
         c = self.config
         return (f"{self.label} '{self.hparams.model_name}' (masked LM), {c.n_layer} layers x {c.n_head} heads, width {c.n_embd}, "
-                f"{c.max_position_embeddings} positions, vocabulary {c.vocab_size}: {self.num_parameters():,} "
-                f"parameters ({self.num_parameters() * 4 / 2**20:,.1f} MiB in float32)")
+                f"{c.max_position_embeddings} positions, vocabulary {c.vocab_size}: {self.parameters_and_size()}")
 
     # ----- training -----
     def tensor_parallel_plan(self) -> TensorParallelPlan:
@@ -190,31 +187,6 @@ class BertMaskedLanguageModel(CohortModule):
                 for i, row in enumerate(window.cpu())]
         inputs, labels = (torch.cat(parts).to(window.device) for parts in zip(*rows))
         return inputs, labels
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        """The loss and the share of masked tokens predicted right; under a pipeline the loss only (the logits stay
-        on the last stage)."""
-        if self.pipeline is not None:
-            super().validation_step(batch, batch_idx)
-            return
-        inputs, labels = self.prepare_batch(batch, batch_idx)
-        logits = self.model(inputs).float()
-        chosen = labels != IGNORE_INDEX
-        count = chosen.sum()
-        loss_sum = F.cross_entropy(logits[chosen], labels[chosen], reduction="sum")
-        correct = (logits[chosen].argmax(-1) == labels[chosen]).sum()
-        self.val_loss.update(loss_sum / count.clamp(min=1), weight=count)
-        self.val_accuracy.update(correct / count.clamp(min=1), weight=count)
-
-    def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()  # a collective: every rank's mean
-        self.val_loss.reset()
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
-        self.log("val/perplexity", torch.exp(loss), sync_dist=True)
-        if self.pipeline is None:
-            accuracy = self.val_accuracy.compute()
-            self.val_accuracy.reset()
-            self.log("val/masked_accuracy", accuracy, sync_dist=True)
 
 
 def special_tokens(vocab_size: int | None, mask_token_id: int | None, cls_token_id: int | None,

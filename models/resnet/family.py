@@ -12,11 +12,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from jsonargparse import Namespace
-from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from core.errors import UserError
-from core.run_plan import RunPlan, run_plan_of
+from core.run_plan import RunPlan
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
 from models.module import CohortModule
@@ -55,7 +54,7 @@ class ImageClassifier(CohortModule):
                             "datamodule: set data.class_path to datamodules.images.ImageClassificationDataModule")
         self.config = resnet_config(model_name, num_classes=num_classes, in_channels=in_channels)
         self.image_shape = tuple(image_shape)
-        self.val_loss = MeanMetric()
+        # over the classes (torchmetrics' macro average), of every rank's images
         self.val_accuracy = MulticlassAccuracy(num_classes, ignore_index=IGNORE_INDEX)
 
     # ----- the family's part of CohortModule -----
@@ -68,8 +67,19 @@ class ImageClassifier(CohortModule):
         return images, torch.zeros(micro_batch_size, dtype=torch.long, device=device)
 
     def batch_loss(self, network: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.batch_metrics(network, batch)[0]
+
+    def batch_metrics(self, network: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor | MulticlassAccuracy]]:
+        """The loss and the accuracy: in training the micro-batch's share of images classified right, in
+        validation ``val_accuracy`` fed the batch (padding images, see EvenShardSampler, count for nothing)."""
         images, labels = batch
-        return F.cross_entropy(network(images), labels, ignore_index=IGNORE_INDEX)
+        logits = self.float_in_evaluation(network(images))
+        loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
+        if self.training:
+            return loss, {"accuracy": (logits.argmax(-1) == labels).float().mean()}
+        self.val_accuracy.update(logits, labels)
+        return loss, {"accuracy": self.val_accuracy}
 
     @classmethod
     def check_config(cls, model: Namespace, data: Namespace, plan: RunPlan) -> None:
@@ -80,28 +90,3 @@ class ImageClassifier(CohortModule):
         return (f"{self.label} '{self.hparams.model_name}', stages of widths {list(c.widths)} x blocks {list(c.blocks)}, "
                 f"{c.in_channels} channel(s) of {self.image_shape[0]}x{self.image_shape[1]} in, {c.num_classes} "
                 f"classes: {self.num_parameters():,} parameters")
-
-    # ----- training -----
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        images, labels = batch
-        logits = self.model(images)
-        loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
-        if run_plan_of(self).ends_optimizer_step(batch_idx):  # a step's logged value is its last micro-batch's
-            self.step_metrics = {"train/loss": loss.detach(),
-                                 "train/accuracy": (logits.argmax(-1) == labels).float().mean()}
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        images, labels = batch
-        logits = self.model(images).float()
-        counted = (labels != IGNORE_INDEX).sum()  # padding samples (see EvenShardSampler) count for nothing
-        loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
-        self.val_loss.update(loss_sum / counted.clamp(min=1), weight=counted)
-        self.val_accuracy.update(logits, labels)
-
-    def on_validation_epoch_end(self) -> None:
-        loss, accuracy = self.val_loss.compute(), self.val_accuracy.compute()  # collectives: over every rank's images
-        self.val_loss.reset()
-        self.val_accuracy.reset()
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
-        self.log("val/accuracy", accuracy, prog_bar=True, sync_dist=True)
