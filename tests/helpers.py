@@ -563,30 +563,6 @@ def answered_pushes(run_dir: Path, worker: int) -> int:
     return json.loads((run_dir / f"answered_rank{worker}.json").read_text())["answered"]
 
 
-class SlowRankByFactor(Callback):
-    """Makes one rank ``factor`` times slower: inside each micro-batch's step (between forward and backward) it sleeps
-    ``factor - 1`` times what its previous micro-batch took without the sleep."""
-
-    def __init__(self, rank: int, factor: float = 2.0) -> None:
-        self.rank = rank
-        self.factor = factor
-        self.previous_seconds = 0.0
-        self.slept = 0.0
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        self.start = time.perf_counter()
-        self.slept = 0.0
-
-    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        if trainer.global_rank == self.rank:
-            self.slept = (self.factor - 1) * self.previous_seconds
-            time.sleep(self.slept)
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        self.previous_seconds = time.perf_counter() - self.start - self.slept
-
-
 class ScriptedStepTimes(Callback):
     """The monitor's clock (RankMonitor.clock) made a script, so that a test decides from timings it gives, which a
     busy machine cannot move: on rank R each micro-batch computes ``compute_seconds[R]``, and in the optimizer step's
