@@ -65,8 +65,8 @@ class PipelineParallelStrategy(ModelParallelStrategy):
         """
         super().__init__(data_parallel_size, tensor_parallel_size, save_distributed_checkpoint,
                          process_group_backend, timeout)
-        # the schedule, its micro-batches and the split are the run plan's (app/cli/preflight.py reads them, with the
-        # defaults above, from the config): the stages are built from the plan, not from here
+        # the schedule, its micro-batches and the split are the run plan's (app/cli/run_plan_resolution.py reads
+        # them, with the defaults above, from the config): the stages are built from the plan, not from here
         self.pipeline_parallel_size = pipeline_parallel_size
 
     def setup_environment(self) -> None:

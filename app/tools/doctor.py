@@ -39,7 +39,9 @@ from lightning.pytorch.cli import LightningArgumentParser
 from app.cli.commands import describe
 from app.cli.launch import Launch, detect_launch, join_process_group, launch_device
 from app.cli.lightning_cli import CohortCLI
-from app.cli.preflight import Preflight, class_of, is_fsdp, log_root, model_class, strategy_name
+from app.cli.preflight import Preflight, log_root, model_class
+from app.cli.run_plan_resolution import class_of
+from app.strategies.kind import StrategyKind
 from app.tools.comm import time_collective
 from app.tools.memory import estimate_memory, module_step_loss, parse_memory_size, visible_device_memory
 from core.errors import UserError
@@ -119,13 +121,12 @@ def instantiate_family(config: Namespace) -> tuple[LightningDataModule | None, C
         return data, None, problems if data is None else [*problems, Check("model", "fail", str(error))]
 
 
-def check_memory(config: Namespace, model: CohortModule, plan: RunPlan) -> Check:
-    """Per-device memory of a training step under the config's strategy and precision (app/tools/memory.py), against
-    --device_memory or, on a GPU, its size."""
+def check_memory(config: Namespace, model: CohortModule, plan: RunPlan, kind: StrategyKind) -> Check:
+    """Per-device memory of a training step under the config's strategy (of this kind) and precision
+    (app/tools/memory.py), against --device_memory or, on a GPU, its size."""
     trainer = config.trainer
     on_gpu = targets_gpu(config)
-    name = strategy_name(trainer.strategy)
-    sharded = is_fsdp(trainer.strategy) or name.endswith(("ModelParallelStrategy", "PipelineParallelStrategy"))
+    sharded = kind is StrategyKind.FSDP or kind.shards_layers
     strategy = "fsdp" if sharded else "ddp" if plan.data_parallel_size > 1 else "single"
     fsdp_checkpointing = getattr(getattr(trainer.strategy, "init_args", None), "activation_checkpointing_policy", None)
     estimate = estimate_memory(
@@ -290,7 +291,7 @@ def main(argv: list[str]) -> None:
         checks.append(Check("memory", "skip", f"not estimated: {unknown} could not be resolved (see above)"))
     else:
         try:
-            checks.append(check_memory(config, model, preflight.plan))
+            checks.append(check_memory(config, model, preflight.plan, preflight.strategy.kind))
         except UserError as error:  # --device_memory that is not a size
             checks.append(Check("memory", "fail", f"--device_memory: {error}"))
     if data is not None and model is not None and preflight.plan is not None:
