@@ -31,7 +31,8 @@ from app.strategies.parameter_server.strategy import check_asynchronous
 from app.strategies.pipeline import PipelineParallelStrategy
 from core.errors import UserError, check_ranges, check_writable_folder
 from core.precision import precision_named
-from core.run_plan import ZERO_BUBBLE_SCHEDULES, RunPlan
+from core.pipeline_schedules import pipeline_microbatches_or_default
+from core.run_plan import RunPlan
 from datamodules.base import ShardedDataModule
 from datamodules.language_modeling import LanguageModelingDataModule, check_byte_level_prompts
 from datamodules.own_datamodule import read_training_loader
@@ -218,7 +219,7 @@ def check_config_against_plan(config: Namespace, plan: RunPlan) -> None:
     family = model_class(config)
     check_family_honours_strategy(family, plan, trainer.strategy)
     family.check_config(config.model.init_args, data, plan)
-    if (plan.pipeline_parallel_size > 1 and plan.pipeline_schedule in ZERO_BUBBLE_SCHEDULES
+    if (plan.pipeline_parallel_size > 1 and plan.schedule.zero_bubble
             and getattr(config.model.init_args, "compile", False)):
         raise UserError(f"model.compile=true with pipeline_schedule={plan.pipeline_schedule}: a zero-bubble "
                         "schedule runs each backward in two halves (the inputs' gradients, later the weights'), which "
@@ -346,9 +347,9 @@ def pipeline_options(trainer: Namespace) -> dict[str, str | int | tuple[int, ...
         raise UserError("trainer.strategy.init_args.save_distributed_checkpoint=false would gather one stage's weights "
                         "only: pipelined runs save sharded checkpoints (cohort consolidate makes one file)")
     microbatches, layers = given["pipeline_microbatches"], given["pipeline_layers"]
+    ranks = int(given["pipeline_parallel_size"])
     return {"pipeline_schedule": str(given["pipeline_schedule"]),
-            # null means one per stage, as the strategy's docstring says; a number is taken as it is
-            "pipeline_microbatches": int(given["pipeline_parallel_size"]) if microbatches is None else int(microbatches),
+            "pipeline_microbatches": pipeline_microbatches_or_default(microbatches, ranks),
             "pipeline_layers": None if layers is None else tuple(int(count) for count in layers)}
 
 

@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from core.errors import UserError
+from core.pipeline_schedules import pipeline_microbatches_or_default
 from core.precision import Precision, precision_named
 from models.parallel.parallelize import repeated_blocks
 
@@ -416,7 +417,7 @@ def spread(
     kept = block_part + profile.other_saved_bytes
     microbatches = 1
     if stages > 1:
-        microbatches = pipeline_microbatches or stages
+        microbatches = pipeline_microbatches_or_default(pipeline_microbatches, stages)
         # 1F1B's first stage holds `stages` pipeline micro-batches (of micro batch / microbatches samples) in flight
         kept *= min(stages, microbatches)
     activations = int(scale * (kept + temporaries) / microbatches)
