@@ -35,7 +35,6 @@ micro-batch per step and gradients set to None in between, the real peak is lowe
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -51,12 +50,11 @@ from torch.utils._pytree import tree_leaves, tree_map
 from core.errors import UserError
 from core.pipeline_schedules import pipeline_microbatches_or_default
 from core.precision import Precision, precision_named
+from core.sizes import BYTES_IN, GIB, format_bytes, parse_byte_size, size_unit
 from models.parallel.parallelize import repeated_blocks
 
 if TYPE_CHECKING:
     from models.module import CohortModule
-
-GIB = 2**30
 
 STRATEGIES = ("single", "ddp", "fsdp")  # fsdp: FSDP, FSDP2 and ModelParallelStrategy (fully sharded)
 
@@ -113,10 +111,10 @@ class MemoryEstimate:
     def describe(self, device_memory_bytes: int | None = None) -> str:
         """A few lines: the total and its parts in GiB, against ``device_memory_bytes`` if given, and when it does
         not fit, what would help."""
-        unit, scale = ("GiB", GIB) if self.total >= GIB else ("MiB", 2**20)  # small models in MiB, not "0.0 GiB"
+        unit = size_unit(self.total)  # the parts in the total's unit
 
         def size_in(size: int) -> str:
-            return f"{size / scale:.1f}"
+            return f"{size / BYTES_IN[unit]:.1f}"
 
         parts = [("parameters", self.parameters), ("gradients", self.gradients),
                  ("optimizer", self.optimizer_state), ("activations", self.activations),
@@ -125,9 +123,9 @@ class MemoryEstimate:
                 + ", ".join(f"{name} {size_in(size)}" for name, size in parts if size) + ")")
         if device_memory_bytes is None:
             return line
-        line += f" of {device_memory_bytes / GIB:.1f} GiB"
+        line += f" of {format_bytes(device_memory_bytes, 'GiB')}"
         if self.fits(device_memory_bytes):
-            return f"{line}: fits ({(device_memory_bytes - self.total) / GIB:.1f} GiB to spare)"
+            return f"{line}: fits ({format_bytes(device_memory_bytes - self.total, 'GiB')} to spare)"
         helps = [f"{change} ({size_in(total)} {unit}{'' if total > device_memory_bytes else ', fits'})"
                  for change, total in self.advice]
         return f"{line}: does not fit" + (": would help: " + "; ".join(helps) if helps else "")
@@ -486,11 +484,5 @@ def visible_device_memory() -> int:
 
 
 def parse_memory_size(text: str) -> int:
-    """Bytes in "16GiB", "80GB", "16 G", "512MiB" or a plain number of bytes (GB is 10^9, GiB and G are 2^30)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?)([bB]?)\s*", text)
-    if match is None or (match.group(3) and not match.group(2)):
-        raise UserError(f"device memory {text!r} is not a size: write e.g. 16GiB, 80GB or 17179869184")
-    number, prefix, binary, unit = match.groups()
-    power = "kmgt".index(prefix.lower()) + 1 if prefix else 0
-    base = 1000 if (prefix and unit and not binary) else 1024  # GB: decimal; GiB, G: binary
-    return int(float(number) * base**power)
+    """Bytes of device memory in "16GiB", "16 G" (2^30 each), "80GB" (10^9) or a plain number (core/sizes.py)."""
+    return parse_byte_size(text, "device memory")
