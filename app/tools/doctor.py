@@ -41,7 +41,8 @@ from app.cli.launch import Launch, detect_launch, join_process_group, launch_dev
 from app.cli.lightning_cli import CohortCLI
 from app.cli.preflight import Preflight, class_of, is_fsdp, log_root, model_class, strategy_name
 from app.tools.comm import time_collective
-from app.tools.memory import estimate_memory, module_step_loss, parse_memory_size, visible_device_memory
+from app.tools.memory import estimate_memory, parse_memory_size, visible_device_memory
+from app.tools.memory_profile import module_step_loss
 from core.errors import UserError
 from core.precision import precision_named
 from core.run_plan import RunPlan
