@@ -32,7 +32,7 @@ from app.strategies.kind import ConfiguredStrategy, StrategyKind
 from app.strategies.local_updates import LocalUpdateSettings
 from core.errors import UserError, check_writable_folder
 from core.precision import precision_named
-from core.run_plan import ZERO_BUBBLE_SCHEDULES, RunPlan
+from core.run_plan import RunPlan
 from datamodules.language_modeling import LanguageModelingDataModule, check_byte_level_prompts
 from datamodules.prepare import DEFAULT_CORPUS_DIR
 from models.module import CohortModule
@@ -174,7 +174,7 @@ def check_config_against_plan(config: Namespace, plan: RunPlan, strategy: Config
     family = model_class(config)
     check_family_honours_strategy(family, plan, strategy.kind)
     family.check_config(config.model.init_args, data, plan)
-    if (plan.pipeline_parallel_size > 1 and plan.pipeline_schedule in ZERO_BUBBLE_SCHEDULES
+    if (plan.pipeline_parallel_size > 1 and plan.schedule.zero_bubble
             and getattr(config.model.init_args, "compile", False)):
         raise UserError(f"model.compile=true with pipeline_schedule={plan.pipeline_schedule}: a zero-bubble "
                         "schedule runs each backward in two halves (the inputs' gradients, later the weights'), which "

@@ -23,6 +23,7 @@ from app.strategies.parameter_server.strategy import ParameterServerStrategy, ch
 from app.strategies.pipeline import PipelineParallelStrategy
 from core.errors import UserError
 from core.precision import precision_named
+from core.pipeline_schedules import pipeline_microbatches_or_default
 from core.run_plan import RunPlan
 from datamodules.base import ShardedDataModule
 from datamodules.own_datamodule import read_training_loader
@@ -190,7 +191,7 @@ def pipeline_options(trainer: Namespace, kind: StrategyKind) -> dict[str, str | 
         raise UserError("trainer.strategy.init_args.save_distributed_checkpoint=false would gather one stage's weights "
                         "only: pipelined runs save sharded checkpoints (cohort consolidate makes one file)")
     microbatches, layers = given["pipeline_microbatches"], given["pipeline_layers"]
+    ranks = int(given["pipeline_parallel_size"])
     return {"pipeline_schedule": str(given["pipeline_schedule"]),
-            # null means one per stage, as the strategy's docstring says; a number is taken as it is
-            "pipeline_microbatches": int(given["pipeline_parallel_size"]) if microbatches is None else int(microbatches),
+            "pipeline_microbatches": pipeline_microbatches_or_default(microbatches, ranks),
             "pipeline_layers": None if layers is None else tuple(int(count) for count in layers)}

@@ -55,8 +55,8 @@ class PipelineParallelStrategy(ModelParallelStrategy):
             pipeline_schedule: "1F1B" (one forward, one backward: fewer activations held), "GPipe" (all
                 forwards, then all backwards), "Interleaved1F1B", or a zero-bubble schedule that splits each
                 backward into the inputs' and the weights' gradients: "InterleavedZeroBubble", "ZBVZeroBubble",
-                "DualPipeV" (the last two on stages placed as a V); core/run_plan.py says where each stage runs.
-            pipeline_microbatches: pipeline micro-batches per micro batch; null means one per stage.
+                "DualPipeV" (the last two on stages placed as a V); core/pipeline_schedules.py holds each one's record.
+            pipeline_microbatches: pipeline micro-batches per micro batch; null means one per pipeline rank.
             pipeline_layers: blocks of each stage, in stage order (e.g. [5, 7]: fewer where the embeddings or a
                 large head already weigh); null balances them by count, counting the embeddings and the head
                 as one block each.

@@ -43,10 +43,12 @@ from app.cli.preflight import Preflight, log_root, model_class
 from app.cli.run_plan_resolution import class_of
 from app.strategies.kind import StrategyKind
 from app.tools.comm import time_collective
-from app.tools.memory import estimate_memory, module_step_loss, parse_memory_size, visible_device_memory
+from app.tools.memory import estimate_memory, parse_memory_size, visible_device_memory
+from app.tools.memory_profile import module_step_loss
 from core.errors import UserError
 from core.precision import precision_named
 from core.run_plan import RunPlan
+from core.sizes import format_bytes
 from datamodules.base import ShardedDataModule
 from datamodules.own_datamodule import share_out_training_samples
 from models.module import DERIVED_FROM_DATA, CohortModule
@@ -206,10 +208,10 @@ def check_disk_space(config: Namespace, parameters: int) -> list[Check]:
         free = shutil.disk_usage(existing).free
         status = ("pass" if free >= DISK_PASS_CHECKPOINTS * checkpoint_bytes
                   else "warn" if free >= DISK_WARN_CHECKPOINTS * checkpoint_bytes else "fail")
-        detail = (f"{folder}: {free / 2**30:.1f} GiB free, a checkpoint (weights and AdamW state in float32) is "
-                  f"{checkpoint_bytes / 2**30:.2f} GiB: passes with room for {DISK_PASS_CHECKPOINTS} "
-                  f"({DISK_PASS_CHECKPOINTS * checkpoint_bytes / 2**30:.2f} GiB), fails below {DISK_WARN_CHECKPOINTS} "
-                  f"({DISK_WARN_CHECKPOINTS * checkpoint_bytes / 2**30:.2f} GiB)")
+        detail = (f"{folder}: {format_bytes(free, 'GiB')} free, a checkpoint (weights and AdamW state in float32) "
+                  f"is {format_bytes(checkpoint_bytes, 'GiB', 2)}: passes with room for {DISK_PASS_CHECKPOINTS} "
+                  f"({format_bytes(DISK_PASS_CHECKPOINTS * checkpoint_bytes, 'GiB', 2)}), fails below "
+                  f"{DISK_WARN_CHECKPOINTS} ({format_bytes(DISK_WARN_CHECKPOINTS * checkpoint_bytes, 'GiB', 2)})")
         checks.append(Check(name, status, detail, "free space or move the folder" if status != "pass" else ""))
     return checks
 
