@@ -22,8 +22,8 @@ from app.strategies.kind import ConfiguredStrategy, StrategyKind
 from app.strategies.parameter_server.strategy import ParameterServerStrategy, check_asynchronous
 from app.strategies.pipeline import PipelineParallelStrategy
 from core.errors import UserError
-from core.precision import precision_named
 from core.pipeline_schedules import pipeline_microbatches_or_default
+from core.precision import precision_named
 from core.run_plan import RunPlan
 from datamodules.base import ShardedDataModule
 from datamodules.own_datamodule import read_training_loader
