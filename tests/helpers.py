@@ -33,8 +33,8 @@ from app.__main__ import main
 from app.observability.monitor import RankMonitor
 from app.safety import checkpoint_writing
 from app.safety.checkpoint_reading import consolidate
+from app.safety.launch_environment import torchrun_restart
 from app.safety.preemption import preemption_callback
-from app.strategies.fault_tolerance.job import torchrun_restart
 from tests.processes import REPO_ROOT, run_cohort
 
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -729,7 +729,7 @@ class RejoinMidRun(Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if os.environ.get("COHORT_REPLICA_GROUP") == str(self.group):
             return
-        if trainer.strategy.manager.num_participants() < trainer.strategy.replica_groups:  # this step's quorum
+        if trainer.strategy.manager.num_participants() < trainer.strategy.settings.replica_groups:  # this step's quorum
             self.went_on.touch()
         if trainer.global_step == self.step:
             wait_until(self.restarted.exists, f"{self.restarted.name} in {self.restarted.parent}")

@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from app.cli.launch import parent_start_time
 from app.safety.checkpoint_reading import check_checkpoint, find_last_checkpoint
-from app.strategies.fault_tolerance.job import RUN_VERSION_ENV, replica_group, torchrun_restart
+from app.safety.launch_environment import RUN_VERSION_ENV, replica_group, torchrun_restart
 from app.strategies.fault_tolerance.strategy import FaultTolerantStrategy
 from app.strategies.gradient_compression import COMPRESSIONS
 from app.strategies.local_updates import UPDATE_METHODS
