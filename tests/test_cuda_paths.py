@@ -27,6 +27,7 @@ from app.safety import async_checkpoints
 from app.safety.async_checkpoints import BackgroundWriter
 from app.safety.bad_steps import BadStepGuard
 from app.safety.determinism import PerRankSeed
+from app.safety.launch_environment import REPLICA_GROUP_ENV
 from app.strategies.fault_tolerance import job
 from app.strategies.fault_tolerance.job import ReplicaGroupsLauncher
 from app.strategies.fault_tolerance.strategy import FaultTolerantStrategy
@@ -392,7 +393,7 @@ def test_replica_groups_on_gpus_average_over_nccl_within_the_strategys_timeout(m
     monkeypatch.setattr(strategy_module, "check_lighthouse_answers", lambda address, wait: None)
     monkeypatch.setattr(strategy_module, "weights_only_http_transport", lambda timeout: "transport")
     monkeypatch.setattr(strategy_module, "job_store", lambda timeout: None)
-    monkeypatch.setenv(job.REPLICA_GROUP_ENV, "1")
+    monkeypatch.setenv(REPLICA_GROUP_ENV, "1")
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lighthouse:29510")
     monkeypatch.delenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", raising=False)
     strategy = FaultTolerantStrategy(timeout=timedelta(seconds=45))

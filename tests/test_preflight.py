@@ -13,7 +13,7 @@ from jsonargparse import Namespace
 
 from app.cli.preflight import check_config, resolve_precision
 from app.cli.run_plan_resolution import configured_strategy
-from app.strategies.fault_tolerance.checks import FaultToleranceSettings
+from app.strategies.fault_tolerance.settings import FaultToleranceSettings
 from app.strategies.fault_tolerance.strategy import FaultTolerantStrategy
 from app.strategies.kind import StrategyKind
 from app.tools.doctor import DoctorCLI

@@ -34,7 +34,8 @@ from app.observability.flight_recorder import NcclFlightRecorder
 from app.observability.monitor import RankMonitor
 from app.observability.progress import StepProgress
 from app.safety.bad_steps import BadStepGuard
-from app.safety.checkpoints import RunCheckpoint, read_sharded_folders
+from app.safety.checkpoint_reading import read_sharded_folders
+from app.safety.checkpoint_writing import RunCheckpoint
 from app.safety.determinism import PerRankSeed, SameThreadsOnEveryRank
 from app.safety.preemption import PreemptionCheckpoint, preemption_callback
 from app.safety.replica_check import ReplicaCheck, ReplicaDivergenceError

@@ -24,9 +24,9 @@ from app.cli.launch import parent_start_time
 from app.cli.run_plan_resolution import (
     accelerator_name, bad_steps_action, class_of, devices_per_node, resolve_run_plan, settings_from,
 )
-from app.safety.checkpoints import check_checkpoint, find_last_checkpoint
+from app.safety.checkpoint_reading import check_checkpoint, find_last_checkpoint
 from app.strategies import gradient_compression, local_updates
-from app.strategies.fault_tolerance.job import RUN_VERSION_ENV, replica_group, torchrun_restart
+from app.safety.launch_environment import RUN_VERSION_ENV, replica_group, torchrun_restart
 from app.strategies.gradient_compression import CompressionSettings
 from app.strategies.kind import ConfiguredStrategy, StrategyKind
 from app.strategies.local_updates import LocalUpdateSettings

@@ -16,7 +16,7 @@ from lightning.pytorch.strategies import (
 )
 
 from app.strategies.fault_tolerance import checks as fault_tolerance
-from app.strategies.fault_tolerance.checks import FaultToleranceSettings
+from app.strategies.fault_tolerance.settings import FaultToleranceSettings
 from app.strategies.fault_tolerance.strategy import FaultTolerantStrategy
 from app.strategies.kind import ConfiguredStrategy, StrategyKind
 from app.strategies.parameter_server.strategy import ParameterServerStrategy, check_asynchronous

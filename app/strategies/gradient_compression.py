@@ -44,7 +44,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _should_compress, powerSGD_hook
 
-from app.safety.checkpoints import parameter_names
+from app.safety.optimizer_state_keys import parameter_names
 from app.strategies.kind import ConfiguredStrategy, StrategyKind
 from core.errors import UserError, check_ranges
 from core.run_plan import RunPlan, run_plan_of

@@ -56,7 +56,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
 from torch.distributed.algorithms.model_averaging.utils import average_parameters, get_params_to_average
 
-from app.safety.checkpoints import parameter_names
+from app.safety.optimizer_state_keys import parameter_names
 from app.strategies.gradient_compression import CompressionSettings, gather_per_rank, registered_compression
 from app.strategies.kind import ConfiguredStrategy, StrategyKind
 from core.errors import UserError, check_ranges

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import init_device_mesh
 
-from app.safety.checkpoints import META_FILE
+from app.safety.checkpoint_reading import META_FILE
 from core.errors import UserError
 from models.parallel.parallelize import shards_data_parallel
 

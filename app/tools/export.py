@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from app.safety.checkpoints import load_checkpoint, remove_path, replace_path
+from app.safety.atomic_paths import remove_path, replace_path
+from app.safety.checkpoint_reading import load_checkpoint
 from core.errors import ArgumentParser, UserError, check_writable_folder
 from core.tokens import BYTE_BERT_VOCAB_SIZE, BYTE_SPECIAL_TOKENS, BYTE_VOCAB_SIZE
 from models.registry import EXPORTED, family_named, family_of, labels

@@ -5,27 +5,9 @@ so that a config can be checked where torchft is missing."""
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
 
-from core.errors import UserError, check_ranges
-
-FIELD = "trainer.strategy.init_args"
-
-
-@dataclass(frozen=True)
-class FaultToleranceSettings:
-    """FaultTolerantStrategy's arguments that the checks read (its docstring says each; the defaults are its own),
-    refused in one line where they are out of range."""
-
-    replica_groups: int = 3
-    min_replicas: int = 1
-    max_restarts: int = 10
-
-    def __post_init__(self) -> None:
-        groups, fewest = self.replica_groups, self.min_replicas
-        check_ranges(FIELD, {"replica_groups": (groups >= 1, "at least 1"),
-                             "min_replicas": (1 <= fewest <= groups, f"between 1 and replica_groups={groups}"),
-                             "max_restarts": (self.max_restarts >= 0, ">= 0")}, vars(self))
+from app.strategies.fault_tolerance.settings import FIELD, FaultToleranceSettings
+from core.errors import UserError
 
 
 def check_config(settings: FaultToleranceSettings, world_size: int, global_batch_size: int, micro_batch_size: int,
