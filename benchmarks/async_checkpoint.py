@@ -40,7 +40,7 @@ import numpy as np
 from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from app.safety.checkpoints import RunCheckpoint
+from app.safety.checkpoint_writing import RunCheckpoint
 from models.gpt.network import gpt_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -44,7 +44,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from app.tools.memory import MemoryEstimate, estimate_memory, module_step_loss
+from app.tools.memory import MemoryEstimate, estimate_memory
+from app.tools.memory_profile import module_step_loss
 from core.precision import precision_named
 from models.bert.family import BertMaskedLanguageModel
 from models.gpt.family import GPTLanguageModel

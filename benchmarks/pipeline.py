@@ -34,8 +34,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from core.errors import UserError
+from core.pipeline_schedules import PIPELINE_SCHEDULES
 from core.precision import PRECISIONS
-from core.run_plan import PIPELINE_SCHEDULES, RunPlan
+from core.run_plan import RunPlan
 from models.gpt.family import GPT_PIPELINE_SPLIT, build_gpt
 from models.gpt.network import GPTConfig, gpt_config
 from models.optimizer import weight_decay_groups

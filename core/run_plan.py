@@ -18,12 +18,8 @@ import math
 from dataclasses import dataclass, replace
 
 from core.errors import UserError, check_ranges
+from core.pipeline_schedules import PIPELINE_SCHEDULES, PipelineSchedule
 from core.precision import Precision
-
-# models/parallel/pipeline.py's SCHEDULES; the zero-bubble ones split each backward into input and weight gradients
-PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-V_SHAPED_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # torch places their stages as a V (RunPlan.pipeline_stage_ranks)
 
 
 @dataclass(frozen=True)
@@ -99,9 +95,10 @@ class RunPlan:
                             f"runs them in {rounds} rounds, which must divide them: use a multiple of "
                             f"pipeline_parallel_size={self.pipeline_parallel_size}")
         stages = self.pipeline_parallel_size * self.stages_per_rank
-        if self.pipeline_schedule == "DualPipeV" and self.pipeline_microbatches < stages:
-            raise UserError(f"{field}.pipeline_microbatches={self.pipeline_microbatches}: DualPipeV needs at least one "
-                            f"per stage, {stages} (2 x pipeline_parallel_size): use at least {stages}")
+        if self.schedule.needs_microbatch_per_stage and self.pipeline_microbatches < stages:
+            raise UserError(f"{field}.pipeline_microbatches={self.pipeline_microbatches}: {self.pipeline_schedule} "
+                            f"needs at least one per stage, {stages} ({self.stages_per_rank} x "
+                            f"pipeline_parallel_size): use at least {stages}")
         if self.micro_batch_size % self.pipeline_microbatches != 0:
             raise UserError(f"{field}.pipeline_microbatches={self.pipeline_microbatches} does not divide "
                             f"data.micro_batch_size={self.micro_batch_size}: each micro batch is cut into that many "
@@ -123,15 +120,20 @@ class RunPlan:
         return self.asynchronous_workers > 0
 
     @property
+    def schedule(self) -> PipelineSchedule:
+        """The pipeline schedule's record (checked to be one by the pipeline checks)."""
+        return PIPELINE_SCHEDULES[self.pipeline_schedule]
+
+    @property
     def stages_per_rank(self) -> int:
         """Pipeline stages each pipeline rank runs: one under GPipe and 1F1B, else two."""
-        return 1 if self.pipeline_schedule in ("GPipe", "1F1B") else 2
+        return self.schedule.stages_per_rank
 
     @property
     def v_shaped_stages(self) -> bool:
         """Whether pipeline rank r of p runs stages r and 2p - 1 - r (a V: rank 0 runs the first and the last stage,
         rank p - 1 the middle two), as ZBVZeroBubble and DualPipeV need, rather than r, r + p, ... (a loop)."""
-        return self.pipeline_schedule in V_SHAPED_SCHEDULES
+        return self.schedule.v_shaped
 
     @property
     def pipeline_stage_ranks(self) -> list[int]:

@@ -22,6 +22,9 @@ class SpecialTokens:
         return (self.mask, self.cls, self.sep, self.pad)
 
 
-# The embedded byte-level corpus's ids are the bytes 0..255; a BERT on it reserves the four ids after them.
-BYTE_SPECIAL_TOKENS = SpecialTokens(mask=256, cls=257, sep=258, pad=259)
-BYTE_BERT_VOCAB_SIZE = 260
+# Byte-level text (the embedded corpus, cohort prepare without --tokenizer): token id = byte value, 0..255
+BYTE_VOCAB_SIZE = 256
+# A BERT on bytes reserves the four ids after them.
+BYTE_SPECIAL_TOKENS = SpecialTokens(mask=BYTE_VOCAB_SIZE, cls=BYTE_VOCAB_SIZE + 1, sep=BYTE_VOCAB_SIZE + 2,
+                                    pad=BYTE_VOCAB_SIZE + 3)
+BYTE_BERT_VOCAB_SIZE = BYTE_VOCAB_SIZE + len(BYTE_SPECIAL_TOKENS.ids)

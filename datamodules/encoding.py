@@ -20,8 +20,7 @@ from typing import Any
 import numpy as np
 
 from core.errors import UserError
-
-BYTE_VOCAB_SIZE = 256
+from core.tokens import BYTE_VOCAB_SIZE
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader
 
 from core.errors import UserError, check_ranges
 from core.run_plan import RunPlan
+from core.tokens import BYTE_VOCAB_SIZE
 from datamodules.base import ShardedDataModule
-from datamodules.encoding import BYTE_VOCAB_SIZE
 from datamodules.prepare import DEFAULT_CORPUS_DIR, DEFAULT_SEQUENCE_LENGTH, prepare_corpus, stdlib_source_files
 from datamodules.token_files import TokenWindows, check_token_folder
 

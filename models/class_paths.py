@@ -1,8 +1,8 @@
 """The class paths that moved, and where to: run configs (``model.class_path``, an FSDP policy's block classes) and
 checkpoints (the family's class path, the hyperparameters' ``_class_path``) written before a move name a class by the
 path it had then, and are read with today's path in its place. Where a config or checkpoint is read: the CLI's
-parsing (app/cli/lightning_cli.py), the checkpoint check on resume (app/safety/checkpoints.py), ``cohort export`` and
-``CohortModule.load_from_checkpoint``."""
+parsing (app/cli/lightning_cli.py), the checkpoint check on resume (app/safety/checkpoint_reading.py), ``cohort
+export`` and ``CohortModule.load_from_checkpoint``."""
 
 from __future__ import annotations
 

@@ -31,10 +31,10 @@ from torch.distributed.tensor import DTensor
 
 from app.__main__ import main
 from app.observability.monitor import RankMonitor
-from app.safety import checkpoints
-from app.safety.checkpoints import consolidate
+from app.safety import checkpoint_writing
+from app.safety.checkpoint_reading import consolidate
+from app.safety.launch_environment import torchrun_restart
 from app.safety.preemption import preemption_callback
-from app.strategies.fault_tolerance.job import torchrun_restart
 from tests.processes import REPO_ROOT, run_cohort
 
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -563,30 +563,6 @@ def answered_pushes(run_dir: Path, worker: int) -> int:
     return json.loads((run_dir / f"answered_rank{worker}.json").read_text())["answered"]
 
 
-class SlowRankByFactor(Callback):
-    """Makes one rank ``factor`` times slower: inside each micro-batch's step (between forward and backward) it sleeps
-    ``factor - 1`` times what its previous micro-batch took without the sleep."""
-
-    def __init__(self, rank: int, factor: float = 2.0) -> None:
-        self.rank = rank
-        self.factor = factor
-        self.previous_seconds = 0.0
-        self.slept = 0.0
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        self.start = time.perf_counter()
-        self.slept = 0.0
-
-    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        if trainer.global_rank == self.rank:
-            self.slept = (self.factor - 1) * self.previous_seconds
-            time.sleep(self.slept)
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        self.previous_seconds = time.perf_counter() - self.start - self.slept
-
-
 class ScriptedStepTimes(Callback):
     """The monitor's clock (RankMonitor.clock) made a script, so that a test decides from timings it gives, which a
     busy machine cannot move: on rank R each micro-batch computes ``compute_seconds[R]``, and in the optimizer step's
@@ -729,7 +705,7 @@ class RejoinMidRun(Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if os.environ.get("COHORT_REPLICA_GROUP") == str(self.group):
             return
-        if trainer.strategy.manager.num_participants() < trainer.strategy.replica_groups:  # this step's quorum
+        if trainer.strategy.manager.num_participants() < trainer.strategy.settings.replica_groups:  # this step's quorum
             self.went_on.touch()
         if trainer.global_step == self.step:
             wait_until(self.restarted.exists, f"{self.restarted.name} in {self.restarted.parent}")
@@ -874,14 +850,14 @@ class HoldCheckpointWrites(Callback):
         self.moved_on = threading.Condition()
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.write_copy = checkpoints.write_copy
+        self.write_copy = checkpoint_writing.write_copy
 
         def held(strategy: Any, partial: Path, sharded: bool, checkpoint: dict[str, Any], group: Any) -> int:
             with self.moved_on:
                 self.moved_on.wait_for(lambda: self.step >= checkpoint["global_step"] + self.steps)
             return self.write_copy(strategy, partial, sharded, checkpoint, group)
 
-        checkpoints.write_copy = held  # looked up at each save
+        checkpoint_writing.write_copy = held  # looked up at each save
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -896,7 +872,7 @@ class HoldCheckpointWrites(Callback):
             self.moved_on.notify_all()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        checkpoints.write_copy = self.write_copy  # an in-process run leaves the module as it found it
+        checkpoint_writing.write_copy = self.write_copy  # an in-process run leaves the module as it found it
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self.move_to(math.inf)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from app.safety.bad_steps import MIN_SPIKE_HISTORY, BadStepGuard
-from app.safety.checkpoints import read_checkpoint
+from app.safety.checkpoint_reading import read_checkpoint
 from tests.helpers import (
     DDP_2,
     MODEL_PARALLEL,

@@ -12,7 +12,7 @@ import torch
 import torch.distributed.distributed_c10d
 
 from app.observability.flight_recorder import NcclFlightRecorder
-from app.safety.checkpoints import replace_path
+from app.safety.atomic_paths import replace_path
 from app.safety.determinism import PerRankSeed, SameThreadsOnEveryRank, oversubscription_advice
 from core.precision import PRECISIONS
 from core.run_plan import RunPlan

@@ -22,14 +22,9 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from app.safety.checkpoints import (
-    check_writes_in_background,
-    load_checkpoint,
-    non_finite_tensors,
-    optimizer_state_by_name,
-    optimizer_state_by_position,
-    parameter_names,
-)
+from app.safety.checkpoint_reading import load_checkpoint
+from app.safety.checkpoint_writing import check_writes_in_background, non_finite_tensors
+from app.safety.optimizer_state_keys import optimizer_state_by_name, optimizer_state_by_position, parameter_names
 from core.errors import UserError
 from models.gpt.family import GPTLanguageModel, build_gpt
 from models.gpt.network import gpt_config

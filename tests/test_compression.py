@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from jsonargparse import Namespace
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
 
-from app.cli.preflight import check_compression
+from app.strategies.gradient_compression import CompressionSettings, check_config
+from app.strategies.kind import ConfiguredStrategy, StrategyKind
 from core.errors import UserError
+from core.precision import PRECISIONS
+from core.run_plan import RunPlan
 from tests.helpers import (
     CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_weights_equal, batch_sizes, fit, last_checkpoint, last_checkpoint_weights,
     one_line_error, scalars,
@@ -133,9 +135,12 @@ def test_mistakes_are_refused_before_start_in_one_line(flags: list[str], expecte
 
 def test_one_process_notes_that_compression_does_nothing(caplog: pytest.LogCaptureFixture) -> None:
     """Noted, not refused: a config with compression also runs on one process to debug, with exact gradients."""
-    options = Namespace(method="bf16", powersgd_rank=4, powersgd_start_step=10)
+    options = CompressionSettings(method="bf16", powersgd_rank=4, powersgd_start_step=10)
+    one_process = RunPlan(devices_per_node=1, num_nodes=1, data_parallel_size=1, tensor_parallel_size=1,
+                          global_batch_size=4, micro_batch_size=4, sequence_length=8, precision=PRECISIONS["32-true"],
+                          seed=0)
     with caplog.at_level(logging.INFO):
-        check_compression(options, "auto", world_size=1)
+        check_config(options, one_process, ConfiguredStrategy(StrategyKind.DDP, "auto"))
     assert "gradient_compression: method bf16 does nothing on one process" in caplog.text
     with pytest.raises(UserError, match="trainer.strategy is fsdp"):
-        check_compression(options, "fsdp", world_size=1)
+        check_config(options, one_process, ConfiguredStrategy(StrategyKind.FSDP, "fsdp"))

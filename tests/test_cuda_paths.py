@@ -20,12 +20,14 @@ from torch.distributed.checkpoint.staging import StagingOptions
 
 from app.cli.launch import Launch, join_process_group, launch_device
 from app.cli.lightning_cli import CohortCLI
-from app.cli.preflight import Preflight, check_strategy, devices_per_node, resolve_precision
+from app.cli.preflight import Preflight, resolve_precision
+from app.cli.run_plan_resolution import configured_strategy, devices_per_node
 from app.observability.flight_recorder import NcclFlightRecorder
 from app.safety import async_checkpoints
 from app.safety.async_checkpoints import BackgroundWriter
 from app.safety.bad_steps import BadStepGuard
 from app.safety.determinism import PerRankSeed
+from app.safety.launch_environment import REPLICA_GROUP_ENV
 from app.strategies.fault_tolerance import job
 from app.strategies.fault_tolerance.job import ReplicaGroupsLauncher
 from app.strategies.fault_tolerance.strategy import FaultTolerantStrategy
@@ -110,9 +112,9 @@ def test_devices_and_strategies_on_gpus(device_calls: list) -> None:
     assert devices_per_node(auto) == GPUS
     with pytest.raises(UserError, match="trainer.devices=-1 picks GPUs, but this run is on the CPU"):
         devices_per_node(SimpleNamespace(devices=-1, accelerator="cpu"))  # Lightning's would be a TypeError
-    check_strategy("fsdp", "auto")  # FSDP (version 1) on the visible GPUs
+    configured_strategy("fsdp", "auto")  # FSDP (version 1) on the visible GPUs
     with pytest.raises(UserError, match="fsdp needs CUDA GPUs"):
-        check_strategy("fsdp", "cpu")
+        configured_strategy("fsdp", "cpu")
 
 
 def test_16_mixed_keeps_its_grad_scaler_on_gpus_and_bf16_needs_a_gpu_that_has_it(
@@ -337,13 +339,14 @@ def test_the_doctor_checks_the_memory_estimate_against_the_visible_gpu(
     """On a GPU the estimate adds the CUDA context (1 GiB) and is checked against the GPU's own size."""
     monkeypatch.chdir(tmp_path)
     cli = DoctorCLI(["-c", str(QUICKSTART), "-c", str(TRAINER / "gpu_bf16.yaml"), "--data.data_dir", str(byte_corpus)])
-    plan = Preflight(cli.config, None).run()
+    preflight = Preflight(cli.config, None)
+    plan = preflight.run()
     _, model, problems = instantiate_family(cli.config)
     assert problems == [] and visible_device_memory() == GPU_MEMORY
-    check = check_memory(cli.config, model, plan)
+    check = check_memory(cli.config, model, plan, preflight.strategy.kind)
     assert check.status == "pass" and "CUDA context 1.0" in check.detail and "of 80.0 GiB: fits" in check.detail
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**30))
-    check = check_memory(cli.config, model, plan)
+    check = check_memory(cli.config, model, plan, preflight.strategy.kind)
     assert check.status == "fail" and "of 1.0 GiB: does not fit" in check.detail
 
 
@@ -390,7 +393,7 @@ def test_replica_groups_on_gpus_average_over_nccl_within_the_strategys_timeout(m
     monkeypatch.setattr(strategy_module, "check_lighthouse_answers", lambda address, wait: None)
     monkeypatch.setattr(strategy_module, "weights_only_http_transport", lambda timeout: "transport")
     monkeypatch.setattr(strategy_module, "job_store", lambda timeout: None)
-    monkeypatch.setenv(job.REPLICA_GROUP_ENV, "1")
+    monkeypatch.setenv(REPLICA_GROUP_ENV, "1")
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lighthouse:29510")
     monkeypatch.delenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", raising=False)
     strategy = FaultTolerantStrategy(timeout=timedelta(seconds=45))

@@ -17,12 +17,8 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
-from app.safety.checkpoints import (
-    META_FILE,
-    is_sharded_checkpoint,
-    os_error_in,
-    read_checkpoint,
-)
+from app.safety.checkpoint_reading import META_FILE, is_sharded_checkpoint, read_checkpoint
+from app.safety.checkpoint_write_failures import os_error_in
 from tests.helpers import DDP_2, MODEL_PARALLEL, QUIET, batch_sizes, run_cohort
 
 CHECKPOINTS = Path("lightning_logs/version_0/checkpoints")  # the default checkpoint.dirpath of a new run

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from app.__main__ import main
-from app.safety.checkpoints import consolidate
+from app.safety.checkpoint_reading import consolidate
 from core.errors import UserError
 from models.gpt.family import GPTLanguageModel
 from models.gpt.huggingface import huggingface_gpt2_state_dict

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from app.__main__ import main
-from app.safety.checkpoints import consolidate
+from app.safety.checkpoint_reading import consolidate
 from tests.helpers import QUIET, REPO_ROOT, fit, fit_in_process, last_checkpoint
 
 pytestmark = pytest.mark.slow

@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.tools.memory import (
-    GIB, estimate_memory, module_step_loss, next_token_loss, parse_memory_size, profile_network, repeated_blocks,
-    storage_key, visible_device_memory,
-)
+from app.tools.memory import estimate_memory, parse_memory_size, visible_device_memory
+from app.tools.memory_profile import module_step_loss, next_token_loss, profile_network, storage_key
 from core.errors import UserError
+from core.sizes import GIB
 from models.bert.family import BertMaskedLanguageModel
 from models.gpt.network import GPT, GPTConfig, gpt_config
 from models.module import CohortModule
+from models.parallel.parallelize import repeated_blocks
 from models.resnet.family import ImageClassifier
 
 GPT2 = gpt_config("gpt2")

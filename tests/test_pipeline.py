@@ -115,8 +115,8 @@ def test_interleaved_pipeline_trains_as_one_process_does(tmp_path: Path, compara
 @dataclass(frozen=True)
 class ZeroBubbleRun:
     """The small model's 4 blocks as 4 stages on 2 pipeline ranks, its micro batch of 4 cut into ``microbatches``;
-    ``theory`` is the schedule's bubble there (models/parallel/pipeline.py IDLE_UNITS: idle / (3 units x 2 stages x m +
-    idle))."""
+    ``theory`` is the schedule's bubble there (its idle_units, core/pipeline_schedules.py: idle / (3 units x 2 stages
+    x m + idle))."""
 
     schedule: str
     microbatches: int

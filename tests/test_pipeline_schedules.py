@@ -5,6 +5,8 @@ the unsplit network's names. torch builds every rank's order in one process, her
 
 from __future__ import annotations
 
+import inspect
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -20,19 +22,22 @@ from torch.distributed.pipelining.schedules import (
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from core.errors import UserError
+from app.strategies.pipeline import PipelineParallelStrategy
+from core.pipeline_schedules import PIPELINE_SCHEDULES
 from core.precision import PRECISIONS
-from core.run_plan import PIPELINE_SCHEDULES, RunPlan
+from core.run_plan import RunPlan
 from models.gpt.family import GPT_PIPELINE_SPLIT, build_gpt
 from models.gpt.network import GPT_CONFIGS
 from models.parallel.pipeline import (
-    SCHEDULES,
+    TORCH_SCHEDULE_CLASSES,
     merge_stages,
     share_tied_weights,
     split_layers,
     theoretical_bubble,
 )
+from tests.helpers import CONFIG_DIR, REPO_ROOT
 
-# a backward is twice a forward, split evenly into the inputs' and the weights' gradients (IDLE_UNITS' units)
+# a backward is twice a forward, split evenly into the inputs' and the weights' gradients (a schedule's idle_units)
 UNIT_COST = {_ComputationType.FORWARD: 1, _ComputationType.BACKWARD_INPUT: 1, _ComputationType.BACKWARD_WEIGHT: 1,
              _ComputationType.FULL_BACKWARD: 2}
 
@@ -55,7 +60,7 @@ def torch_schedule(plan: RunPlan) -> PipelineScheduleMulti:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.pipeline_parallel_size)
     stages = [PipelineStage(nn.Linear(2, 2), stage, len(plan.pipeline_stage_ranks), torch.device("cpu"))
               for stage, rank in enumerate(plan.pipeline_stage_ranks) if rank == 0]
-    return SCHEDULES[plan.pipeline_schedule](stages, plan.pipeline_microbatches, loss_fn=lambda out, target: out.sum(),
+    return TORCH_SCHEDULE_CLASSES[plan.pipeline_schedule](stages, plan.pipeline_microbatches, loss_fn=lambda out, target: out.sum(),
                                              scale_grads=False)
 
 
@@ -107,7 +112,8 @@ def accepted(schedule: str, ranks: int, microbatches: int) -> bool:
 
 # The schedules that torch runs by their pipeline_order (GPipe's and 1F1B's is a drawing only), at every number of
 # micro-batches from the ranks to three times them that the plan accepts
-MULTI_STAGE = [name for name in PIPELINE_SCHEDULES if issubclass(SCHEDULES[name], PipelineScheduleMulti)]
+MULTI_STAGE = [name for name in PIPELINE_SCHEDULES
+               if issubclass(TORCH_SCHEDULE_CLASSES[name], PipelineScheduleMulti)]
 CASES = [(schedule, ranks, microbatches) for schedule in MULTI_STAGE for ranks in (2, 3, 4)
          for microbatches in range(ranks, 3 * ranks + 1) if accepted(schedule, ranks, microbatches)]
 
@@ -162,3 +168,23 @@ def test_a_v_holds_the_tied_weight_once_under_the_unsplit_names() -> None:
     for name, tensor in held.items():
         assert torch.equal(tensor, whole.state_dict()[name]), name
     assert sum(1 for _ in merged.parameters()) == len({id(param) for stage in stages for param in stage.parameters()})
+
+
+def listed_after(text: str, start: str, end: str) -> set[str]:
+    """The names a "str: A | B (why) | C" comment lists between ``start`` and ``end`` (a YAML field's comment lines)."""
+    comment = re.sub(r"\s+", " ", text.split(start)[1].split(end)[0].replace("#", ""))
+    return {name.strip() for name in re.sub(r"\([^)]*\)", "", comment.split("str:")[1]).split("|")}
+
+
+def test_the_pipeline_and_the_docs_name_the_tables_schedules() -> None:
+    """One table of schedules (core/pipeline_schedules.py): the pipeline has torch's class for each, and the README,
+    the strategy's docstring (its --help) and the trainer presets name each of them and no other."""
+    names = set(PIPELINE_SCHEDULES)
+    assert set(TORCH_SCHEDULE_CLASSES) == names
+    assert set(re.findall(r"`Schedule(\w+)`", (REPO_ROOT / "README.md").read_text())) == names
+    docstring = inspect.getdoc(PipelineParallelStrategy.__init__)
+    schedule_argument = docstring.split("pipeline_schedule:")[1].split("pipeline_microbatches:")[0]
+    assert set(re.findall(r'"(\w+)"', schedule_argument)) == names
+    for preset in ("pipeline_cpu.yaml", "pipeline_gpu_bf16.yaml"):
+        text = (CONFIG_DIR / "trainer" / preset).read_text()
+        assert listed_after(text, "pipeline_schedule:", "pipeline_microbatches:") == names, preset

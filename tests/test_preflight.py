@@ -3,12 +3,19 @@ learning-rate schedule and scaling."""
 
 from __future__ import annotations
 
+import inspect
 import math
+from dataclasses import asdict
 
 import pytest
 import torch
+from jsonargparse import Namespace
 
 from app.cli.preflight import check_config, resolve_precision
+from app.cli.run_plan_resolution import configured_strategy
+from app.strategies.fault_tolerance.settings import FaultToleranceSettings
+from app.strategies.fault_tolerance.strategy import FaultTolerantStrategy
+from app.strategies.kind import StrategyKind
 from app.tools.doctor import DoctorCLI
 from core.errors import UserError
 from core.precision import PRECISIONS
@@ -81,6 +88,27 @@ def test_the_plan_is_resolved_from_the_config_alone(debug_run_args: list[str]) -
     assert (resolved.world_size, resolved.data_parallel_size, resolved.accumulation) == (4, 4, 2)
     assert (resolved.seed, resolved.precision.name, resolved.sequence_length) == (7, "bf16-mixed", 64)
     assert cli.config.model.init_args.seed == 7  # linked, as vocab_size is
+
+
+@pytest.mark.parametrize(("strategy", "kind"), [
+    ("auto", StrategyKind.DDP), ("ddp_spawn", StrategyKind.DDP), ("deepspeed", StrategyKind.OTHER),
+    ("xla", StrategyKind.OTHER), ("single_device", StrategyKind.OTHER),
+    ("lightning.pytorch.strategies.ModelParallelStrategy", StrategyKind.MODEL_PARALLEL),
+    ("app.strategies.pipeline.PipelineParallelStrategy", StrategyKind.PIPELINE),
+    ("app.strategies.parameter_server.strategy.ParameterServerStrategy", StrategyKind.PARAMETER_SERVER),
+    ("app.strategies.fault_tolerance.strategy.FaultTolerantStrategy", StrategyKind.FAULT_TOLERANT),
+])
+def test_the_strategy_kind_comes_from_the_class_the_config_names(strategy: str, kind: StrategyKind) -> None:
+    """A subclass is its own kind, not its base's: the pipeline is a ModelParallelStrategy; the parameter server,
+    DeepSpeed and XLA are DDPStrategies."""
+    named = strategy if "." not in strategy else Namespace(class_path=strategy, init_args=Namespace())
+    assert configured_strategy(named, "cpu").kind is kind
+
+
+def test_the_fault_tolerance_settings_default_as_the_strategy_does() -> None:
+    """The settings record's defaults are the strategy's, which a config that leaves a field out gets."""
+    settings, strategy = asdict(FaultToleranceSettings()), inspect.signature(FaultTolerantStrategy.__init__).parameters
+    assert settings == {name: strategy[name].default for name in settings}
 
 
 def test_a_seed_that_is_not_an_integer_is_refused(debug_run_args: list[str]) -> None:

@@ -20,7 +20,7 @@ from torch.distributed.pipelining import PipelineStage
 
 # (owner, attribute, who uses it and why)
 PRIVATE_METHODS = [
-    (ModelCheckpoint, "_save_checkpoint", "app/safety/checkpoints.py RunCheckpoint: write NAME.partial, rename"),
+    (ModelCheckpoint, "_save_checkpoint", "app/safety/checkpoint_writing.py RunCheckpoint: write NAME.partial, rename"),
     (ModelCheckpoint, "_link_checkpoint", "RunCheckpoint: replace last.ckpt's link atomically, after an async write"),
     (ModelCheckpoint, "_remove_checkpoint", "RunCheckpoint: remove the oldest only once an async write is in place"),
     (ModelCheckpoint, "_save_topk_checkpoint", "RunCheckpoint.on_train_end: keep the final step in the history"),
@@ -29,7 +29,8 @@ PRIVATE_METHODS = [
     (ModelCheckpoint, "_monitor_candidates", "RunCheckpoint.on_train_end: the values a filename is made of"),
     (LightningCLI, "_parse_ckpt_path", "app/cli/lightning_cli.py: keep the user's model config, not the checkpoint's"),
     (LightningCLI, "_run_subcommand", "app/cli/lightning_cli.py: a collective timeout told with the step and checkpoint"),
-    (load, "_load_distributed_checkpoint", "app/safety/checkpoints.py load_sharded_checkpoint: shards as full tensors"),
+    (load, "_load_distributed_checkpoint",
+     "app/safety/checkpoint_reading.py load_sharded_checkpoint: shards as full tensors"),
     (torch, "_foreach_mul_", "models/parallel/parallelize.py: scale every mesh's gradients in one call when clipping"),
     (powerSGD_hook, "_should_compress", "app/strategies/gradient_compression.py factor_slots: each Q factor's slot"),
     (_serialization, "_streaming_load", "fault_tolerance/strategy.py: a peer's state read weights-only"),
@@ -51,8 +52,8 @@ PRIVATE_ATTRIBUTES = [
     ("checkpoint", "_last_global_step_saved", "RunCheckpoint._write replaces Trainer.save_checkpoint"),
     ("trainer", "_checkpoint_connector", "RunCheckpoint._write: dump_checkpoint without the barrier after it"),
     ("logger_connector", "should_update_logs", "models/module.py: a step's values logged only when the logger writes"),
-    ("model_parallel", "_save_distributed_checkpoint", "checkpoints.py writes_shards: an async write's layout"),
-    ("fsdp", "_state_dict_type", "checkpoints.py writes_shards: an async write's layout"),
+    ("model_parallel", "_save_distributed_checkpoint", "checkpoint_writing.py writes_shards: an async write's layout"),
+    ("fsdp", "_state_dict_type", "checkpoint_writing.py writes_shards: an async write's layout"),
     ("module", "_trainer", "models/module.py configure_model: the trainer or None, without raising"),
     ("fused_adamw", "_step_supports_amp_scaling", "bad_steps, language_model: the step reads found_inf itself"),
     ("epoch_loop", "_batches_that_stepped", "fault_tolerance/strategy.py start_step: the committed step is logged; "
@@ -114,7 +115,7 @@ def test_a_fused_adamw_step_skips_itself_on_found_inf() -> None:
 
 
 def test_the_fit_loop_still_counts_micro_batches_and_optimizer_steps_per_epoch() -> None:
-    """app/safety/checkpoints.py recount_micro_batches rewrites these counters of a checkpoint's fit loop."""
+    """app/safety/checkpoint_reading.py recount_micro_batches rewrites these counters of a checkpoint's fit loop."""
     progress = instances()["trainer"].fit_loop.state_dict()
     assert set(progress["epoch_loop.batch_progress"]["current"]) == {"ready", "started", "processed", "completed"}
     assert set(progress["epoch_loop.batch_progress"]["total"]) == {"ready", "started", "processed", "completed"}

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
 from app.cli.samples import PrintGeneratedText
-from app.strategies.fault_tolerance.job import replica_group
+from app.safety.launch_environment import replica_group
 from core.precision import precision_named
 from core.run_plan import RunPlan
 from datamodules.own_datamodule import share_out_training_samples

@@ -26,14 +26,16 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from app.cli.argument_errors import UNIMPORTABLE, one_line
 from app.cli.commands import DESCRIPTION, LIGHTNING_COMMANDS, describe
-from app.cli.preflight import Preflight, accelerator_name, check_config, resolve_precision
+from app.cli.preflight import Preflight, check_config, resolve_precision
+from app.cli.run_plan_resolution import accelerator_name
 from app.cli.run_record import RunConfig, log_beside_the_run
 from app.cli.samples import PrintPredictions
 from app.observability.flight_recorder import NcclFlightRecorder
 from app.observability.monitor import RankMonitor
 from app.observability.progress import StepProgress
 from app.safety.bad_steps import BadStepGuard
-from app.safety.checkpoints import RunCheckpoint, read_sharded_folders
+from app.safety.checkpoint_reading import read_sharded_folders
+from app.safety.checkpoint_writing import RunCheckpoint
 from app.safety.determinism import PerRankSeed, SameThreadsOnEveryRank
 from app.safety.preemption import PreemptionCheckpoint, preemption_callback
 from app.safety.replica_check import ReplicaCheck, ReplicaDivergenceError
@@ -106,7 +108,8 @@ class CohortCLI(LightningCLI):
                     "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                     "init_args": {"save_dir": ".", "name": "lightning_logs"},
                 },
-                "use_distributed_sampler": False,  # each rank's samples are Cohort's choice (preflight.training_data)
+                # each rank's samples are Cohort's choice (app/cli/run_plan_resolution.py's training_data)
+                "use_distributed_sampler": False,
                 # Lightning's table lists the metric modules and "Total Flops 0"; before_fit prints one line instead
                 "enable_model_summary": False,
                 "callbacks": [SameThreadsOnEveryRank(), PerRankSeed(), PrintPredictions()],

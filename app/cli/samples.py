@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.safety.preemption import stopped_by_signal
+from core.tokens import BYTE_VOCAB_SIZE
 
 
 @runtime_checkable
@@ -27,7 +28,8 @@ class PrintGeneratedText(Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         datamodule = trainer.datamodule
-        byte_level = getattr(datamodule, "vocab_size", None) == 256  # a datamodule of one's own may have none
+        # a datamodule of one's own may have no vocab_size
+        byte_level = getattr(datamodule, "vocab_size", None) == BYTE_VOCAB_SIZE
         if not byte_level or not isinstance(pl_module, WritesText) or stopped_by_signal(trainer):
             return
         if pl_module.pipeline is not None:  # each rank holds one stage; sampling runs the whole model token by token

@@ -41,9 +41,8 @@ from app.observability.tensorboard_layout import log_final_val_loss, write_layou
 from app.observability.verdicts import DataWaitWatch, StragglerWatch, loss_departures
 from core.errors import check_ranges
 from core.run_plan import run_plan_of
+from core.sizes import GIB
 from models.parallel.pipeline import theoretical_bubble
-
-GIB = 2**30
 
 
 def host_rss_bytes() -> float:

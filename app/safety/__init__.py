@@ -1,5 +1,5 @@
 """A run that is never lost and never silently wrong: checkpoints, preemption, bad steps, the replica check, the same
-arithmetic on every rank."""
+arithmetic on every rank, and what the launcher tells a restarted process."""
 
 import torch.distributed as dist
 

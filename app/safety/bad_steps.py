@@ -31,7 +31,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
-from app.safety.checkpoints import RunCheckpoint, load_training_state
+from app.safety.checkpoint_reading import load_training_state
+from app.safety.checkpoint_writing import RunCheckpoint
 from core.errors import UserError, check_ranges
 from core.run_plan import run_plan_of
 from models.module import CohortModule

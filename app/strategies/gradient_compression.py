@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -43,9 +44,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _should_compress, powerSGD_hook
 
-from app.safety.checkpoints import parameter_names
-from core.errors import UserError
-from core.run_plan import run_plan_of
+from app.safety.optimizer_state_keys import parameter_names
+from app.strategies.kind import ConfiguredStrategy, StrategyKind
+from core.errors import UserError, check_ranges
+from core.run_plan import RunPlan, run_plan_of
 
 COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
 SIXTEEN_BIT = {"bf16": (torch.bfloat16, default_hooks.bf16_compress_hook),
@@ -54,9 +56,46 @@ BucketListener = Callable[[dist.GradBucket], None]
 Layout = list[tuple[str, tuple[int, ...]]]  # a bucket's parameters, in its order: (name, shape)
 
 
+@dataclass(frozen=True)
+class CompressionSettings:
+    """The config's ``gradient_compression`` group: GradientCompression's arguments (its docstring, which --help
+    shows, says each), refused in one line where they are unknown or out of range."""
+
+    method: str = "none"
+    powersgd_rank: int = 4
+    powersgd_start_step: int = 10
+    powersgd_warm_start: bool = True
+
+    def __post_init__(self) -> None:
+        field = "gradient_compression"
+        if self.method not in COMPRESSIONS:
+            raise UserError(f"{field}.method={self.method!r} is not a compression: use one of "
+                            f"{', '.join(COMPRESSIONS)}")
+        if self.method == "powersgd":
+            start = "at least 2 (DDP regroups its gradient buckets after step 1)"
+            check_ranges(field, {"powersgd_rank": (self.powersgd_rank >= 1, "at least 1"),
+                                 "powersgd_start_step": (self.powersgd_start_step >= 2, start)}, vars(self))
+
+
+def check_config(settings: CompressionSettings, plan: RunPlan, strategy: ConfiguredStrategy) -> None:
+    """A UserError for a compression outside DDP; a note (not an error: the same config runs on one process to debug,
+    and trains there exactly) where there is nothing to compress."""
+    method, field = settings.method, "gradient_compression"
+    if method == "none":
+        return
+    if strategy.kind is not StrategyKind.DDP:
+        raise UserError(f"{field}.method={method} compresses DDP's gradient all-reduce, but trainer.strategy is "
+                        f"{strategy.name}, which reduces gradients its own way: use a DDP preset "
+                        f"(configs/trainer/ddp_cpu.yaml, ddp_gpu_bf16.yaml) or set {field}.method none")
+    if plan.world_size == 1:
+        rank_zero_info(f"{field}: method {method} does nothing on one process (there is no all-reduce); the run "
+                       "trains with exact gradients")
+
+
 class GradientCompression(Callback):
-    def __init__(self, method: str = "none", powersgd_rank: int = 4, powersgd_start_step: int = 10,
-                 powersgd_warm_start: bool = True) -> None:
+    def __init__(self, method: str = CompressionSettings.method, powersgd_rank: int = CompressionSettings.powersgd_rank,
+                 powersgd_start_step: int = CompressionSettings.powersgd_start_step,
+                 powersgd_warm_start: bool = CompressionSettings.powersgd_warm_start) -> None:
         """
         Args:
             method: none, bf16, fp16 or powersgd (the pre-flight checks refuse others, and any but none outside DDP).

@@ -44,6 +44,7 @@ own weights (the pre-flight checks say so); its last checkpoint's weights are th
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -55,17 +56,79 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
 from torch.distributed.algorithms.model_averaging.utils import average_parameters, get_params_to_average
 
-from app.safety.checkpoints import parameter_names
-from app.strategies.gradient_compression import gather_per_rank, registered_compression
-from core.errors import UserError
+from app.safety.optimizer_state_keys import parameter_names
+from app.strategies.gradient_compression import CompressionSettings, gather_per_rank, registered_compression
+from app.strategies.kind import ConfiguredStrategy, StrategyKind
+from core.errors import UserError, check_ranges
+from core.run_plan import RunPlan
 
 UPDATE_METHODS = ("sync", "local_sgd", "diloco")
 SyncListener = Callable[[bool], None]  # called with True as a sync starts, False once every rank holds its result
 
 
+@dataclass(frozen=True)
+class LocalUpdateSettings:
+    """The config's ``local_updates`` group: LocalUpdates' arguments (its docstring, which --help shows, says each),
+    refused in one line where they are unknown or out of range."""
+
+    method: str = "sync"
+    sync_every: int = 8
+    outer_learning_rate: float = 0.7
+    outer_momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.method == "sync":
+            return
+        field = "local_updates"
+        if self.method not in UPDATE_METHODS:
+            raise UserError(f"{field}.method={self.method!r} is not an update method: use one of "
+                            f"{', '.join(UPDATE_METHODS)}")
+        check_ranges(field, {"sync_every": (self.sync_every >= 1, "at least 1"),
+                             "outer_learning_rate": (self.outer_learning_rate > 0, "> 0"),
+                             "outer_momentum": (0 <= self.outer_momentum < 1, "in [0, 1)")}, vars(self))
+
+
+def check_config(settings: LocalUpdateSettings, plan: RunPlan, strategy: ConfiguredStrategy,
+                 compression: CompressionSettings, bad_steps_action: str | None, max_steps: int | None,
+                 val_every_n_steps: int | None) -> None:
+    """A UserError for local updates outside DDP or combined with what they cannot work with (gradient compression,
+    a rollback on bad steps); notes where they do nothing, or where the run ends or validates between two syncs."""
+    method, field = settings.method, "local_updates"
+    if method == "sync":
+        return
+    if strategy.kind is not StrategyKind.DDP:
+        raise UserError(f"{field}.method={method} lets each DDP replica step on its own, but trainer.strategy is "
+                        f"{strategy.name}, whose ranks hold shards, not replicas: use a DDP preset "
+                        "(configs/trainer/diloco_cpu.yaml, ddp_cpu.yaml, ddp_gpu_bf16.yaml) or set "
+                        f"{field}.method sync")
+    if method == "local_sgd" and settings.sync_every == 1:
+        rank_zero_info(f"{field}: local_sgd with sync_every 1 is DDP (gradients all-reduced at every step): "
+                       "averaging parameters after each rank's own AdamW step would send as much and train worse")
+        return
+    if compression.method != "none":
+        raise UserError(f"{field}.method={method} all-reduces no gradients, so gradient_compression.method="
+                        f"{compression.method} would have nothing to compress: set gradient_compression.method none, "
+                        f"or {field}.method sync")
+    if bad_steps_action == "rollback":
+        raise UserError(f"bad_steps.action=rollback reloads rank 0's weights and optimizer state into every rank, "
+                        f"which under {field}.method={method} would drop each rank's own: use stop or skip")
+    if plan.world_size == 1:
+        rank_zero_info(f"{field}: method {method} does nothing on one process (there is nothing to sync); the run "
+                       "trains as plain AdamW")
+        return
+    between = [f"{name}={value}" for name, value in (("trainer.max_steps", max_steps),
+                                                     ("val_every_n_steps", val_every_n_steps))
+               if value is not None and value > 0 and value % settings.sync_every]
+    if between:
+        rank_zero_info(f"{field}: {' and '.join(between)} not a multiple of sync_every={settings.sync_every}: the "
+                       "run ends or validates between two syncs, on each rank's own weights (the last checkpoint's "
+                       "weights are then rank 0's)")
+
+
 class LocalUpdates(Callback):
-    def __init__(self, method: str = "sync", sync_every: int = 8, outer_learning_rate: float = 0.7,
-                 outer_momentum: float = 0.9) -> None:
+    def __init__(self, method: str = LocalUpdateSettings.method, sync_every: int = LocalUpdateSettings.sync_every,
+                 outer_learning_rate: float = LocalUpdateSettings.outer_learning_rate,
+                 outer_momentum: float = LocalUpdateSettings.outer_momentum) -> None:
         """
         Args:
             method: sync (DDP), local_sgd or diloco (the pre-flight checks refuse others, and local updates outside

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import init_device_mesh
 
-from app.safety.checkpoints import META_FILE
+from app.safety.checkpoint_reading import META_FILE
 from core.errors import UserError
 from models.parallel.parallelize import shards_data_parallel
 
@@ -55,8 +55,8 @@ class PipelineParallelStrategy(ModelParallelStrategy):
             pipeline_schedule: "1F1B" (one forward, one backward: fewer activations held), "GPipe" (all
                 forwards, then all backwards), "Interleaved1F1B", or a zero-bubble schedule that splits each
                 backward into the inputs' and the weights' gradients: "InterleavedZeroBubble", "ZBVZeroBubble",
-                "DualPipeV" (the last two on stages placed as a V); core/run_plan.py says where each stage runs.
-            pipeline_microbatches: pipeline micro-batches per micro batch; null means one per stage.
+                "DualPipeV" (the last two on stages placed as a V); core/pipeline_schedules.py holds each one's record.
+            pipeline_microbatches: pipeline micro-batches per micro batch; null means one per pipeline rank.
             pipeline_layers: blocks of each stage, in stage order (e.g. [5, 7]: fewer where the embeddings or a
                 large head already weigh); null balances them by count, counting the embeddings and the head
                 as one block each.
@@ -65,8 +65,8 @@ class PipelineParallelStrategy(ModelParallelStrategy):
         """
         super().__init__(data_parallel_size, tensor_parallel_size, save_distributed_checkpoint,
                          process_group_backend, timeout)
-        # the schedule, its micro-batches and the split are the run plan's (app/cli/preflight.py reads them, with the
-        # defaults above, from the config): the stages are built from the plan, not from here
+        # the schedule, its micro-batches and the split are the run plan's (app/cli/run_plan_resolution.py reads
+        # them, with the defaults above, from the config): the stages are built from the plan, not from here
         self.pipeline_parallel_size = pipeline_parallel_size
 
     def setup_environment(self) -> None:

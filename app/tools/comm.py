@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from app.cli.launch import detect_launch, join_process_group, launch_device
 from core.errors import ArgumentParser, UserError
+from core.sizes import parse_byte_size
 
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -36,15 +37,6 @@ class Measurement:
     seconds: float
     algorithm_gbps: float  # GB/s, 1e9 bytes
     bus_gbps: float
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    text = text.strip().upper().rstrip("B")
-    try:
-        return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
-    except (ValueError, IndexError):
-        raise UserError(f"message size {text!r} is not a size: use e.g. 1K, 4M, 256M") from None
 
 
 def message_sizes(smallest: int, largest: int) -> list[int]:
@@ -109,14 +101,14 @@ def format_table(results: Sequence[Measurement], world_size: int, backend: str) 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = ArgumentParser(prog="cohort comm", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--min-size", default="1K", help="smallest message (default 1K)")
-    parser.add_argument("--max-size", default="256M", help="largest message (default 256M)")
+    parser.add_argument("--min-size", default="1K", help="smallest message (default 1K = 1024 bytes)")
+    parser.add_argument("--max-size", default="256M", help="largest message (default 256M = 256 x 2^20 bytes)")
     parser.add_argument("--operations", nargs="+", default=list(BUS_FACTOR), choices=list(BUS_FACTOR))
     parser.add_argument("--iterations", type=int, default=20, help="timed calls per size")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls per size first")
     parser.add_argument("--csv", help="also write the results to this CSV file (rank 0)")
     args = parser.parse_args(argv)
-    sizes = message_sizes(parse_size(args.min_size), parse_size(args.max_size))
+    sizes = message_sizes(parse_byte_size(args.min_size, "--min-size"), parse_byte_size(args.max_size, "--max-size"))
     if not sizes:
         raise UserError(f"cohort comm: --min-size {args.min_size} is larger than --max-size {args.max_size}")
     launch = detect_launch()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.safety.checkpoints import consolidate
+from app.safety.checkpoint_reading import consolidate
 from core.errors import ArgumentParser, UserError, check_writable_folder
 
 

@@ -39,12 +39,16 @@ from lightning.pytorch.cli import LightningArgumentParser
 from app.cli.commands import describe
 from app.cli.launch import Launch, detect_launch, join_process_group, launch_device
 from app.cli.lightning_cli import CohortCLI
-from app.cli.preflight import Preflight, class_of, is_fsdp, log_root, model_class, strategy_name
+from app.cli.preflight import Preflight, log_root, model_class
+from app.cli.run_plan_resolution import class_of
+from app.strategies.kind import StrategyKind
 from app.tools.comm import time_collective
-from app.tools.memory import estimate_memory, module_step_loss, parse_memory_size, visible_device_memory
+from app.tools.memory import estimate_memory, parse_memory_size, visible_device_memory
+from app.tools.memory_profile import module_step_loss
 from core.errors import UserError
 from core.precision import precision_named
 from core.run_plan import RunPlan
+from core.sizes import format_bytes
 from datamodules.base import ShardedDataModule
 from datamodules.own_datamodule import share_out_training_samples
 from models.module import DERIVED_FROM_DATA, CohortModule
@@ -119,13 +123,12 @@ def instantiate_family(config: Namespace) -> tuple[LightningDataModule | None, C
         return data, None, problems if data is None else [*problems, Check("model", "fail", str(error))]
 
 
-def check_memory(config: Namespace, model: CohortModule, plan: RunPlan) -> Check:
-    """Per-device memory of a training step under the config's strategy and precision (app/tools/memory.py), against
-    --device_memory or, on a GPU, its size."""
+def check_memory(config: Namespace, model: CohortModule, plan: RunPlan, kind: StrategyKind) -> Check:
+    """Per-device memory of a training step under the config's strategy (of this kind) and precision
+    (app/tools/memory.py), against --device_memory or, on a GPU, its size."""
     trainer = config.trainer
     on_gpu = targets_gpu(config)
-    name = strategy_name(trainer.strategy)
-    sharded = is_fsdp(trainer.strategy) or name.endswith(("ModelParallelStrategy", "PipelineParallelStrategy"))
+    sharded = kind is StrategyKind.FSDP or kind.shards_layers
     strategy = "fsdp" if sharded else "ddp" if plan.data_parallel_size > 1 else "single"
     fsdp_checkpointing = getattr(getattr(trainer.strategy, "init_args", None), "activation_checkpointing_policy", None)
     estimate = estimate_memory(
@@ -205,10 +208,10 @@ def check_disk_space(config: Namespace, parameters: int) -> list[Check]:
         free = shutil.disk_usage(existing).free
         status = ("pass" if free >= DISK_PASS_CHECKPOINTS * checkpoint_bytes
                   else "warn" if free >= DISK_WARN_CHECKPOINTS * checkpoint_bytes else "fail")
-        detail = (f"{folder}: {free / 2**30:.1f} GiB free, a checkpoint (weights and AdamW state in float32) is "
-                  f"{checkpoint_bytes / 2**30:.2f} GiB: passes with room for {DISK_PASS_CHECKPOINTS} "
-                  f"({DISK_PASS_CHECKPOINTS * checkpoint_bytes / 2**30:.2f} GiB), fails below {DISK_WARN_CHECKPOINTS} "
-                  f"({DISK_WARN_CHECKPOINTS * checkpoint_bytes / 2**30:.2f} GiB)")
+        detail = (f"{folder}: {format_bytes(free, 'GiB')} free, a checkpoint (weights and AdamW state in float32) "
+                  f"is {format_bytes(checkpoint_bytes, 'GiB', 2)}: passes with room for {DISK_PASS_CHECKPOINTS} "
+                  f"({format_bytes(DISK_PASS_CHECKPOINTS * checkpoint_bytes, 'GiB', 2)}), fails below "
+                  f"{DISK_WARN_CHECKPOINTS} ({format_bytes(DISK_WARN_CHECKPOINTS * checkpoint_bytes, 'GiB', 2)})")
         checks.append(Check(name, status, detail, "free space or move the folder" if status != "pass" else ""))
     return checks
 
@@ -290,7 +293,7 @@ def main(argv: list[str]) -> None:
         checks.append(Check("memory", "skip", f"not estimated: {unknown} could not be resolved (see above)"))
     else:
         try:
-            checks.append(check_memory(config, model, preflight.plan))
+            checks.append(check_memory(config, model, preflight.plan, preflight.strategy.kind))
         except UserError as error:  # --device_memory that is not a size
             checks.append(Check("memory", "fail", f"--device_memory: {error}"))
     if data is not None and model is not None and preflight.plan is not None:

@@ -23,12 +23,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from app.safety.checkpoints import load_checkpoint, remove_path, replace_path
+from app.safety.atomic_paths import remove_path, replace_path
+from app.safety.checkpoint_reading import load_checkpoint
 from core.errors import ArgumentParser, UserError, check_writable_folder
-from core.tokens import BYTE_BERT_VOCAB_SIZE, BYTE_SPECIAL_TOKENS
+from core.tokens import BYTE_BERT_VOCAB_SIZE, BYTE_SPECIAL_TOKENS, BYTE_VOCAB_SIZE
 from models.registry import EXPORTED, family_named, family_of, labels
-
-BYTE_VOCABULARY = 256  # models trained on bytes (cohort prepare without --tokenizer): token id = byte value
 
 
 def main(argv: list[str]) -> None:
@@ -48,7 +47,7 @@ def main(argv: list[str]) -> None:
     print(f"wrote {out}: {loader} with {config.n_layer} layers x {config.n_head} heads, width {config.n_embd}, "
           f"vocabulary {config.vocab_size}, at step {checkpoint.get('global_step', '?')}; load it with "
           f"transformers.{loader}.from_pretrained('{out}')")
-    if config.vocab_size in (BYTE_VOCABULARY, BYTE_BERT_VOCAB_SIZE):
+    if config.vocab_size in (BYTE_VOCAB_SIZE, BYTE_BERT_VOCAB_SIZE):
         special = (f"; [MASK], [CLS], [SEP] and [PAD] are ids {', '.join(map(str, BYTE_SPECIAL_TOKENS.ids))}"
                    if config.vocab_size == BYTE_BERT_VOCAB_SIZE else "")
         print("no tokenizer was written: this model reads UTF-8 bytes (token id = byte value, "

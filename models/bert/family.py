@@ -19,7 +19,7 @@ from jsonargparse import Namespace
 from core.errors import UserError, check_ranges
 from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED, derive_seed
-from core.tokens import BYTE_BERT_VOCAB_SIZE, BYTE_SPECIAL_TOKENS, IGNORE_INDEX, SpecialTokens
+from core.tokens import BYTE_BERT_VOCAB_SIZE, BYTE_SPECIAL_TOKENS, BYTE_VOCAB_SIZE, IGNORE_INDEX, SpecialTokens
 from models.bert.huggingface import BERT_HUGGING_FACE
 from models.bert.masking import check_special_tokens, mask_tokens
 from models.bert.network import BERT, bert_config
@@ -29,7 +29,6 @@ from models.optimizer import OptimizerSettings
 from models.parallel.parallelize import TensorParallelPlan
 from models.parallel.pipeline import PipelineSplit
 
-BYTE_VOCAB_SIZE = 256  # the embedded corpus, and any data prepared byte by byte
 # BERT's: 1e-4 at batch 256, warmed up over 10,000 steps, decayed to 0, weight decay 0.01, Adam's betas
 BERT_OPTIMIZER = OptimizerSettings(learning_rate=1e-4, min_learning_rate_ratio=0.0, weight_decay=0.01,
                                    betas=(0.9, 0.999), warmup_steps=10_000)

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from core.errors import UserError
+from core.tokens import BYTE_VOCAB_SIZE
 from models.sampling import sample
 
 
@@ -43,8 +44,8 @@ class GPTConfig:
 # Named sizes. "debug" is for tests, "small" learns the embedded byte-level corpus in minutes on 2 CPU cores,
 # the gpt2* entries are OpenAI's released shapes, "gpt-7b" is a multi-billion size meant for sharded training.
 GPT_CONFIGS: dict[str, GPTConfig] = {
-    "debug": GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=256),
-    "small": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=256),
+    "debug": GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=BYTE_VOCAB_SIZE),
+    "small": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=BYTE_VOCAB_SIZE),
     "gpt2": GPTConfig(n_layer=12, n_head=12, n_embd=768),
     "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024),
     "gpt2-large": GPTConfig(n_layer=36, n_head=20, n_embd=1280),

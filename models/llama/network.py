@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from core.errors import UserError
+from core.tokens import BYTE_VOCAB_SIZE
 from models.sampling import sample
 
 
@@ -58,9 +59,9 @@ class LlamaConfig:
 # Llama 3.2 1B and Llama 3.1 8B (RoPE base 500,000 with Llama 3's scaling to a 131,072-token context).
 LLAMA_CONFIGS: dict[str, LlamaConfig] = {
     "debug": LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, block_size=64,
-                         vocab_size=256),
+                         vocab_size=BYTE_VOCAB_SIZE),
     "small": LlamaConfig(n_layer=4, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=352, block_size=128,
-                         vocab_size=256),
+                         vocab_size=BYTE_VOCAB_SIZE),
     "1b": LlamaConfig(n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, intermediate_size=8192, block_size=131072,
                       vocab_size=128256, rope_base=500000.0, tie_word_embeddings=True,
                       rope_scaling=(32.0, 1.0, 4.0, 8192)),

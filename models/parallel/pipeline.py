@@ -41,9 +41,12 @@ from core.errors import UserError
 from core.run_plan import RunPlan
 from core.tokens import IGNORE_INDEX
 
-SCHEDULES: dict[str, type] = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
-                              "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
-                              "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}
+# torch's class for each of core/pipeline_schedules.py's schedules (core cannot import torch's pipelining)
+TORCH_SCHEDULE_CLASSES: dict[str, type] = {
+    "GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble, "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
+}
 
 
 def cross_entropy_sum(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -244,31 +247,12 @@ def share_tied_weights(stages: list[nn.Module], spans: list[StageSpan], tied: li
                     setattr(module, key, shared)
 
 
-# A step's idle time on each rank, in units of one stage's forward of one pipeline micro-batch, when a backward takes
-# two, one for the input's gradient and one for the weights' (the zero-bubble paper's T_F = T_B = T_W: Qi et al. 2023,
-# "Zero Bubble Pipeline Parallelism", arXiv:2401.10241), for p ranks and m pipeline micro-batches. GPipe and 1F1B
-# (Narayanan et al. 2021) and Interleaved1F1B fill and drain in p - 1 forwards and backwards, 3 units each; the
-# zero-bubble schedules run the weights' gradients in those slots, leaving 1 of the 3: InterleavedZeroBubble (the
-# paper's ZB-H1, interleaved), ZBVZeroBubble (its ZB-V, section 6) and DualPipeV (DeepSeek-V3's DualPipe folded into
-# a V, arXiv:2412.19437 and github.com/deepseek-ai/DualPipe). ZB-V fills the V only from m = 2p - 1 on: below, torch
-# leaves each missing micro-batch's slots empty (2 units per micro-batch). tests/test_pipeline_schedules.py checks
-# each against torch's own order of the actions.
-IDLE_UNITS: dict[str, Callable[[int, int], int]] = {
-    "GPipe": lambda p, m: 3 * (p - 1),
-    "1F1B": lambda p, m: 3 * (p - 1),
-    "Interleaved1F1B": lambda p, m: 3 * (p - 1),
-    "InterleavedZeroBubble": lambda p, m: p - 1,
-    "ZBVZeroBubble": lambda p, m: max(p - 1, 2 * (2 * p - 1 - m)),
-    "DualPipeV": lambda p, m: p - 1,
-}
-
-
 def theoretical_bubble(plan: RunPlan) -> float:
-    """The idle share of a training step on each pipeline rank under the plan's schedule (IDLE_UNITS): a rank
-    computes 3 units per pipeline micro-batch for each stage it runs, and idles IDLE_UNITS, so that 1F1B's bubble is
-    (p - 1) / (m + p - 1), Interleaved1F1B's (p - 1) / (v m + p - 1) and InterleavedZeroBubble's
-    (p - 1) / (3 v m + p - 1) with v stages per rank."""
-    idle = IDLE_UNITS[plan.pipeline_schedule](plan.pipeline_parallel_size, plan.pipeline_microbatches)
+    """The idle share of a training step on each pipeline rank under the plan's schedule (its ``idle_units``,
+    core/pipeline_schedules.py): a rank computes 3 units per pipeline micro-batch for each stage it runs, and idles
+    ``idle_units``, so that 1F1B's bubble is (p - 1) / (m + p - 1), Interleaved1F1B's (p - 1) / (v m + p - 1) and
+    InterleavedZeroBubble's (p - 1) / (3 v m + p - 1) with v stages per rank."""
+    idle = plan.schedule.idle_units(plan.pipeline_parallel_size, plan.pipeline_microbatches)
     return idle / (3 * plan.stages_per_rank * plan.pipeline_microbatches + idle)
 
 
@@ -353,7 +337,7 @@ class Pipeline:
         # scale_grads=False: torch's scaling divides every gradient, also those accumulated over earlier
         # micro-batches of the optimizer step; the loss below is scaled instead
         local = self.stages[0] if len(self.stages) == 1 else self.stages
-        self.schedule = SCHEDULES[schedule](local, n_microbatches, loss_fn=self._loss, scale_grads=False)
+        self.schedule = TORCH_SCHEDULE_CLASSES[schedule](local, n_microbatches, loss_fn=self._loss, scale_grads=False)
         self._loss_denominator: torch.Tensor | float = 1.0
         self.schedule_seconds = 0.0  # inside training schedules since the start; compute_seconds is the busy part
 

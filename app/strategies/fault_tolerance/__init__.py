@@ -1,1 +1,1 @@
-"""Fault-tolerant replica groups with torchft: the groups' strategy, and the job that starts them."""
+"""Fault-tolerant replica groups with torchft: the groups' strategy, its settings, and the job that starts them."""

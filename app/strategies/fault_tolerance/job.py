@@ -1,7 +1,8 @@
 """The job of fault-tolerant replica groups, seen from outside the groups: ``cohort fit`` starting torchft's
-lighthouse and one torchrun per group, forwarding stop signals to them and waiting; what tells a process which group
-it is; and the store where the groups count themselves in at the start and say when they have finished. The groups
-themselves train under strategy.py beside this file.
+lighthouse and one torchrun per group (telling each its group and the job's folder through the variables of
+app/safety/launch_environment.py), forwarding stop signals to them and waiting; and the store where the groups count
+themselves in at the start and say when they have finished. The groups themselves train under strategy.py beside
+this file; what the launcher reads of their settings is settings.py's record.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import urllib.parse
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning as L
 import torch
@@ -27,28 +28,13 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed import TCPStore
 
+from app.safety.launch_environment import REPLICA_GROUP_ENV, RUN_VERSION_ENV
+from app.strategies.fault_tolerance.settings import FaultToleranceSettings
 from core.errors import UserError
 
-if TYPE_CHECKING:
-    from app.strategies.fault_tolerance.strategy import FaultTolerantStrategy
-
-REPLICA_GROUP_ENV = "COHORT_REPLICA_GROUP"  # set by the job for the processes of replica group G
-RUN_VERSION_ENV = "COHORT_RUN_VERSION"  # the job's lightning_logs/VERSION folder, where each group has its own
 JOB_STORE_ENV = "COHORT_JOB_STORE"  # host:port of the store where the job's groups count themselves in at the start
 JOB_FINISHED = "job_finished"  # the store's key once a group has trained to the end
 LIGHTHOUSE_START_SECONDS = 30.0
-
-
-def torchrun_restart() -> int:
-    """How many times torchrun has restarted this job's ranks after a failure (0: the first attempt, or no torchrun);
-    the CLI reads it too, to continue a restarted job's run."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-
-
-def replica_group() -> int | None:
-    """This process's replica group in a fault-tolerant job; None in the process that starts the job, or elsewhere."""
-    group = os.environ.get(REPLICA_GROUP_ENV)
-    return None if group is None else int(group)
 
 
 def job_store(timeout: timedelta) -> TCPStore | None:
@@ -74,8 +60,8 @@ class ReplicaGroupsLauncher(_Launcher):
     forward SIGTERM and SIGUSR1 to them, and wait. Other commands (validate, test, predict) run here, on one
     process."""
 
-    def __init__(self, strategy: FaultTolerantStrategy) -> None:
-        self.strategy = strategy
+    def __init__(self, settings: FaultToleranceSettings) -> None:
+        self.settings = settings
 
     @property
     def is_interactive_compatible(self) -> bool:
@@ -84,8 +70,8 @@ class ReplicaGroupsLauncher(_Launcher):
     def launch(self, function: Callable, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return function(*args, **kwargs)
-        if self.strategy.lighthouse:
-            check_lighthouse_answers(self.strategy.lighthouse)
+        if self.settings.lighthouse:
+            check_lighthouse_answers(self.settings.lighthouse)
         fit_arguments = inspect.signature(function).bind(*args, **kwargs).arguments
         # what Lightning does once per machine before training (build the embedded corpus), done here once for all
         # groups: each group is a machine of its own to Lightning, and they would build it at the same time
@@ -93,15 +79,15 @@ class ReplicaGroupsLauncher(_Launcher):
             fit_arguments["datamodule"].prepare_data()
         run_dir = run_folder(trainer)
         run_dir.mkdir(parents=True, exist_ok=True)
-        lighthouse = None if self.strategy.lighthouse else start_lighthouse(self.strategy, run_dir)
-        address = self.strategy.lighthouse or f"http://{socket.gethostname()}:{lighthouse[1]}"
+        lighthouse = None if self.settings.lighthouse else start_lighthouse(self.settings, run_dir)
+        address = self.settings.lighthouse or f"http://{socket.gethostname()}:{lighthouse[1]}"
         store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)  # where the groups count themselves in
         job = {"TORCHFT_LIGHTHOUSE": address, JOB_STORE_ENV: f"{socket.gethostname()}:{store.port}"}
         # the checkpoint the job resumes (fit's ckpt_path), resolved once here: a restarted group takes a live group's
         # state instead of reading it again
         ckpt_path = fit_arguments.get("ckpt_path")
         resume = [f"--ckpt_path={ckpt_path}"] if ckpt_path else []
-        groups = [self._start_group(group, job, resume, run_dir) for group in range(self.strategy.replica_groups)]
+        groups = [self._start_group(group, job, resume, run_dir) for group in range(self.settings.replica_groups)]
         stop = forward_stop_signals(groups)
         try:
             codes = wait_for_groups(groups, lighthouse[0] if lighthouse else None, run_dir)
@@ -117,7 +103,7 @@ class ReplicaGroupsLauncher(_Launcher):
         failed = {group: code for group, code in enumerate(codes) if code != 0}
         if len(failed) == len(codes):
             raise UserError(f"every replica group failed (exit codes {list(codes)}) after torchrun's "
-                            f"{self.strategy.max_restarts} restarts each: their output above says why")
+                            f"{self.settings.max_restarts} restarts each: their output above says why")
         for group, code in failed.items():
             print(f"cohort: replica group {group} ended with exit code {code} after torchrun's restarts; the others "
                   "trained to the end without it", file=sys.stderr)
@@ -130,12 +116,12 @@ class ReplicaGroupsLauncher(_Launcher):
                # torchrun's agent would lend its rendezvous store to a restarted attempt (pytorch/pytorch#135712)
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                # the groups share this machine's cores
-               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, cpus // self.strategy.replica_groups))),
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, cpus // self.settings.replica_groups))),
                "RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft's own log: a few lines per step otherwise
         if torch.cuda.is_available():  # group G on GPU G; more groups than GPUs share them
             env["CUDA_VISIBLE_DEVICES"] = str(group % torch.cuda.device_count())
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                   "--max-restarts", str(self.strategy.max_restarts), "-m", "app", *sys.argv[1:], *resume]
+                   "--max-restarts", str(self.settings.max_restarts), "-m", "app", *sys.argv[1:], *resume]
         return subprocess.Popen(command, env=env, start_new_session=True)
 
 
@@ -148,16 +134,16 @@ def run_folder(trainer: L.Trainer) -> Path:
     return Path(trainer.default_root_dir) / "fault_tolerant_job"
 
 
-def start_lighthouse(strategy: FaultTolerantStrategy, run_dir: Path) -> tuple[subprocess.Popen, int]:
+def start_lighthouse(settings: FaultToleranceSettings, run_dir: Path) -> tuple[subprocess.Popen, int]:
     """torchft's lighthouse on a free port of this machine, its output in the run folder; a UserError if it does not
     answer within LIGHTHOUSE_START_SECONDS."""
     with socket.socket() as probe:
         probe.bind(("", 0))
         port = probe.getsockname()[1]
-    heartbeat_ms = int(strategy.heartbeat_timeout.total_seconds() * 1000)
+    heartbeat_ms = int(settings.heartbeat_timeout.total_seconds() * 1000)
     with open(run_dir / "lighthouse.log", "ab") as log:  # the lighthouse writes to its own copy of the file
         process = subprocess.Popen(
-            [lighthouse_program(), "--min_replicas", str(strategy.min_replicas),
+            [lighthouse_program(), "--min_replicas", str(settings.min_replicas),
              "--bind", f"[::]:{port}", "--heartbeat_timeout_ms", str(heartbeat_ms),
              # a quorum waits this long for a group that is alive but late before it starts without it
              "--join_timeout_ms", str(heartbeat_ms)],

@@ -52,15 +52,15 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed import TCPStore
 from torch.distributed._serialization import _streaming_load
 
+from app.safety.launch_environment import replica_group, torchrun_restart
 from app.strategies.fault_tolerance.job import (
     JOB_FINISHED,
     ReplicaGroupsLauncher,
     check_lighthouse_answers,
     job_store,
-    replica_group,
-    torchrun_restart,
     wait_for_every_group,
 )
+from app.strategies.fault_tolerance.settings import FaultToleranceSettings
 from core.errors import UserError
 from datamodules.base import ResumableDataLoader
 from datamodules.samplers import GlobalBatchSampler, StepMicroBatches
@@ -86,12 +86,8 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
             heartbeat_timeout: a group silent this long is dead to the lighthouse (the lighthouse this job starts).
         """
         super().__init__(device="cpu")  # the pre-flight checks have checked the values (app/cli/preflight.py)
-        self.replica_groups = replica_groups
-        self.min_replicas = min_replicas
-        self.lighthouse = lighthouse
-        self.max_restarts = max_restarts
-        self.timeout = timeout
-        self.heartbeat_timeout = heartbeat_timeout
+        self.settings = FaultToleranceSettings(replica_groups, min_replicas, lighthouse, max_restarts, timeout,
+                                               heartbeat_timeout)
         self.manager: Any = None  # torchft's Manager, in a group's process from setup on
         self.committed_steps: CommittedSteps | None = None  # in a group's process, from setup_environment on
         self.recoveries = 0  # peer states this group has loaded
@@ -108,7 +104,7 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         return torch.device("cuda", 0) if on_gpu else torch.device("cpu")
 
     def _configure_launcher(self) -> None:
-        self._launcher = None if replica_group() is not None else ReplicaGroupsLauncher(self)
+        self._launcher = None if replica_group() is not None else ReplicaGroupsLauncher(self.settings)
 
     # ----- in a group's process -----
     def setup_environment(self) -> None:
@@ -123,11 +119,12 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         super().setup(trainer)
         if self.committed_steps is None:
             return
-        lighthouse = os.environ.get("TORCHFT_LIGHTHOUSE", self.lighthouse)
+        settings, timeout = self.settings, self.settings.timeout
+        lighthouse = os.environ.get("TORCHFT_LIGHTHOUSE", settings.lighthouse)
         if lighthouse is None:
             raise UserError(f"replica group {replica_group()} has no lighthouse: set TORCHFT_LIGHTHOUSE (LIGHTHOUSE for "
                             "scripts/torchrun.sh) or trainer.strategy.init_args.lighthouse to its http://host:port")
-        check_lighthouse_answers(lighthouse, wait=self.timeout)
+        check_lighthouse_answers(lighthouse, wait=timeout)
         os.environ["TORCHFT_LIGHTHOUSE"] = lighthouse  # where torchft's manager reads it
         # torchft says at every new quorum that it cannot reset NCCL's flight recorder, also where there is no NCCL
         logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
@@ -140,22 +137,22 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         # the groups' gradient all-reduce: NCCL between GPUs (its timeout also bounds its non-blocking waits), gloo
         # between CPUs
         if self.root_device.type == "cuda":
-            os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(self.timeout.total_seconds()))
-            groups: Any = ProcessGroupNCCL(timeout=self.timeout)
+            os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(timeout.total_seconds()))
+            groups: Any = ProcessGroupNCCL(timeout=timeout)
         else:
-            groups = ProcessGroupGloo(timeout=self.timeout)
+            groups = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
             pg=groups, load_state_dict=self._load_peer_state,
-            state_dict=self._peer_state, min_replica_size=self.min_replicas, use_async_quorum=False,
+            state_dict=self._peer_state, min_replica_size=settings.min_replicas, use_async_quorum=False,
             rank=0, world_size=1, store_addr=socket.gethostname(), store_port=self._store.port,
-            replica_id=f"replica_group_{replica_group()}", timeout=self.timeout, quorum_timeout=self.timeout,
-            checkpoint_transport=weights_only_http_transport(self.timeout),
+            replica_id=f"replica_group_{replica_group()}", timeout=timeout, quorum_timeout=timeout,
+            checkpoint_transport=weights_only_http_transport(timeout),
             init_sync=False,  # every group builds the same initial weights from the seed: nothing to send at step 0
         )
         self.manager.load_state_dict(self.committed_steps.restored)
-        self.job_store = job_store(self.timeout)
+        self.job_store = job_store(timeout)
         if self.job_store is not None and not torchrun_restart():
-            wait_for_every_group(self.job_store, self.replica_groups, self.timeout)
+            wait_for_every_group(self.job_store, settings.replica_groups, timeout)
 
     def process_dataloader(self, dataloader: object) -> object:
         """The training stream: at each step's start, the places of the global batch the step's quorum gives this
@@ -191,7 +188,7 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
     def _check_rejoined(self) -> None:
         """After a restart, the first quorum must hold a live group to take the run's state from: alone, this
         group would train from its initial weights. Alone because the others have finished, it ends too."""
-        alone = self.manager.num_participants() == 1 and self.replica_groups > 1 and self.recoveries == 0
+        alone = self.manager.num_participants() == 1 and self.settings.replica_groups > 1 and self.recoveries == 0
         if not alone:
             self._rejoined = True
             return

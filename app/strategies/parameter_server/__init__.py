@@ -1,1 +1,2 @@
-"""Asynchronous training through a parameter server: the strategy, its messages, the server's side, the worker's."""
+"""Asynchronous training through a parameter server: the strategy, its settings, its messages, the server's side,
+the worker's."""

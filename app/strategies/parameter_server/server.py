@@ -9,7 +9,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning as L
 import torch
@@ -19,11 +19,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.utils import parameters_to_vector
 
 from app.observability.tensorboard_layout import log_final_val_loss, tensorboard_loggers
-from app.strategies.parameter_server.protocol import Header, Kind, flat_sizes, flat_state, load_buffers
+from app.strategies.parameter_server.protocol import SERVER_RANK, Header, Kind, flat_sizes, flat_state, load_buffers
+from app.strategies.parameter_server.settings import ParameterServerSettings
 from core.run_plan import run_plan_of
-
-if TYPE_CHECKING:
-    from app.strategies.parameter_server.strategy import ParameterServerStrategy
 
 # TensorBoard's CUSTOM SCALARS tab for an asynchronous run: tags are regular expressions, matched from the start
 ASYNC_LAYOUT = {"asynchronous": {
@@ -84,8 +82,8 @@ class ParameterServer(Callback):
     """The server's side: answering the workers, the staleness policy, what it logs and what it checkpoints. A
     callback on every rank (Lightning saves and restores callbacks alike everywhere); it acts on the server only."""
 
-    def __init__(self, strategy: ParameterServerStrategy) -> None:
-        self.strategy = strategy
+    def __init__(self, settings: ParameterServerSettings) -> None:
+        self.settings = settings
         self.next_step = 0  # the next global batch never handed out
         self.handed_again: deque[int] = deque()  # handed out but never applied: dropped, or lost by a stop
         self.in_flight: dict[int, deque[int]] = {}  # per worker, the batches handed to it and not pushed yet
@@ -96,9 +94,11 @@ class ParameterServer(Callback):
         self._current: Push | None = None
 
     # ----- the loop: one message at a time -----
-    def start(self, group: dist.ProcessGroup) -> None:
-        trainer = self.strategy.lightning_module.trainer
+    def start(self, group: dist.ProcessGroup, module: L.LightningModule) -> None:
+        """On the server, as training starts: ``group`` carries the messages, ``module`` holds the weights."""
+        trainer = module.trainer
         self.group = group
+        self.module = module
         self.version = trainer.global_step
         self.workers = list(range(1, dist.get_world_size()))
         self.training = set(self.workers)  # those that have not said goodbye
@@ -109,8 +109,8 @@ class ParameterServer(Callback):
         self.silent = {worker: 0.0 for worker in self.workers}
         for worker in self.workers:
             self.in_flight.setdefault(worker, deque())
-        self._parameters = [param for param in self.strategy.lightning_module.parameters()]
-        self._parameter_count, self._flat_size = flat_sizes(self.strategy.lightning_module)
+        self._parameters = [param for param in self.module.parameters()]
+        self._parameter_count, self._flat_size = flat_sizes(self.module)
         self.tokens: Counter[int] = Counter()  # per worker, this run
         self.started = time.monotonic()
         self._start_window()
@@ -120,7 +120,7 @@ class ParameterServer(Callback):
 
     def next_push(self) -> Push | None:
         """Answers the workers' other messages until a gradient to apply arrives; None once every worker has left."""
-        strategy = self.strategy
+        settings = self.settings
         while self.training:
             worker, header = self._receive()
             if header.kind == Kind.ASK_STEP:
@@ -132,7 +132,7 @@ class ParameterServer(Callback):
                 self._release_held()
             elif header.kind == Kind.PUSH:
                 push = self._receive_push(worker, header)
-                if push.staleness > strategy.max_staleness and strategy.staleness_policy == "drop":
+                if push.staleness > settings.max_staleness and settings.staleness_policy == "drop":
                     self.dropped += 1
                     self.window["dropped"] += 1
                     self.handed_again.append(push.step)
@@ -141,11 +141,11 @@ class ParameterServer(Callback):
                 self._current = push
                 return push
         rank_zero_info(f"parameter server: every worker has left, so training stops at update {self.version}")
-        strategy.lightning_module.trainer.should_stop = True
+        self.module.trainer.should_stop = True
         return None
 
     def _receive(self) -> tuple[int, Header]:
-        timeout = self.strategy.message_timeout
+        timeout = self.settings.message_timeout.total_seconds()
         waiting_since = time.monotonic()
         try:
             worker, header = Header.receive(self.group, source=None)
@@ -172,7 +172,7 @@ class ParameterServer(Callback):
         if header.step in self.in_flight[worker]:
             self.in_flight[worker].remove(header.step)
         self.pushes[worker] += 1
-        tokens = header.samples * run_plan_of(self.strategy.lightning_module).sequence_length
+        tokens = header.samples * run_plan_of(self.module).sequence_length
         self.window["tokens"][worker] += tokens
         self.tokens[worker] += tokens
         return Push(worker, self.version - header.version, header.step, torch.tensor(header.loss), flat)
@@ -185,8 +185,7 @@ class ParameterServer(Callback):
 
     def _send_weights(self, worker: int) -> None:
         Header(Kind.WEIGHTS, self.version).send(self.group, worker)
-        module = self.strategy.lightning_module
-        dist.send(flat_state(module, parameters_to_vector(self._parameters)), dst=worker, group=self.group)
+        dist.send(flat_state(self.module, parameters_to_vector(self._parameters)), dst=worker, group=self.group)
 
     # ----- applying a gradient (inside Lightning's optimizer step) -----
     def install_gradient(self) -> None:
@@ -196,18 +195,18 @@ class ParameterServer(Callback):
         gradient = push.gradient[:count].to(self._parameters[0].device)
         for param, flat in zip(self._parameters, gradient.split([param.numel() for param in self._parameters])):
             param.grad = flat.view_as(param).to(param.dtype)
-        load_buffers(self.strategy.lightning_module, push.gradient[count:])
+        load_buffers(self.module, push.gradient[count:])
 
     def scaled_learning_rate(self, optimizer: Any) -> ScaledLearningRate:
         push = self._current
-        stale = push is not None and push.staleness > self.strategy.max_staleness
+        stale = push is not None and push.staleness > self.settings.max_staleness
         return ScaledLearningRate(optimizer, 1.0 / push.staleness if stale else 1.0)
 
     def applied(self) -> None:
         push = self._current
         assert push is not None
         self.version += 1
-        self.scaled += push.staleness > self.strategy.max_staleness
+        self.scaled += push.staleness > self.settings.max_staleness
         self.staleness_counts[push.staleness] += 1
         self.window["staleness"].append(push.staleness)
         self._reply(push.worker)
@@ -215,7 +214,7 @@ class ParameterServer(Callback):
 
     def _reply(self, worker: int) -> None:
         """The newest weights, now or, under the stale-synchronous bound, once the slowest worker catches up."""
-        if self.strategy.stale_synchronous and self._ahead(worker):
+        if self.settings.stale_synchronous and self._ahead(worker):
             self.held.append(worker)
         else:
             self._send_weights(worker)
@@ -223,7 +222,7 @@ class ParameterServer(Callback):
 
     def _ahead(self, worker: int) -> bool:
         slowest = min(self.pushes[other] for other in self.training) if self.training else 0
-        return self.pushes[worker] - slowest > self.strategy.max_staleness
+        return self.pushes[worker] - slowest > self.settings.max_staleness
 
     def _release_held(self) -> None:
         for worker in list(self.held):
@@ -247,7 +246,7 @@ class ParameterServer(Callback):
             elif header.kind == Kind.GOODBYE:
                 self.training.discard(worker)
         rank_zero_info(self.summary())
-        log_final_val_loss(self.strategy.lightning_module.trainer)
+        log_final_val_loss(self.module.trainer)
 
     # ----- what it logs -----
     def _start_window(self) -> None:
@@ -255,7 +254,7 @@ class ParameterServer(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not (self.strategy.is_server and trainer.global_step % trainer.log_every_n_steps == 0):
+        if not (trainer.global_rank == SERVER_RANK and trainer.global_step % trainer.log_every_n_steps == 0):
             return
         window, elapsed = self.window, time.monotonic() - self.window["start"]
         staleness = torch.tensor(window["staleness"] or [0], dtype=torch.float32)
@@ -275,12 +274,12 @@ class ParameterServer(Callback):
         mean = sum(stale * count for stale, count in self.staleness_counts.items()) / max(applied, 1)
         histogram = ", ".join(f"{stale}: {count}" for stale, count in sorted(self.staleness_counts.items()))
         elapsed = time.monotonic() - self.started
-        unit = run_plan_of(self.strategy.lightning_module).unit
+        unit = run_plan_of(self.module).unit
         workers = ", ".join(f"rank {worker} {self.pushes[worker]} ({self.tokens[worker] / elapsed:,.0f} {unit}/s)"
                             for worker in self.workers)
         return (f"parameter server: {applied} updates applied, {self.scaled} of them with the learning rate divided "
-                f"by their staleness, {self.dropped} dropped (staleness > {self.strategy.max_staleness}, policy "
-                f"{self.strategy.staleness_policy}); staleness of those applied: mean {mean:.2f}, "
+                f"by their staleness, {self.dropped} dropped (staleness > {self.settings.max_staleness}, policy "
+                f"{self.settings.staleness_policy}); staleness of those applied: mean {mean:.2f}, "
                 f"max {max(self.staleness_counts, default=0)}, counts {{{histogram}}}; pushes per worker since this "
                 f"process started, and what they carried: {workers}")
 

@@ -24,7 +24,8 @@ a synchronous run). The server logs to TensorBoard, every ``trainer.log_every_n_
 the applied gradients (histogram, mean, max), the updates applied and dropped, and each worker's tokens/s; the
 end-of-run summary says the same for the whole run.
 
-Messages: app/strategies/parameter_server/protocol.py; the two sides: server.py and worker.py beside it.
+Messages: app/strategies/parameter_server/protocol.py; the two sides: server.py and worker.py beside it; the settings
+the server reads: settings.py.
 
 Checkpoints and resume. Only the server saves: its weights, optimizer, schedule and version (Lightning's
 ``global_step``), and here the next batch to hand out and the batches handed out but not applied, which a resumed
@@ -58,11 +59,10 @@ from app.strategies.gradient_compression import GradientCompression
 from app.strategies.local_updates import LocalUpdates
 from app.strategies.parameter_server.protocol import SERVER_RANK
 from app.strategies.parameter_server.server import ParameterServer, Push, Pushes
+from app.strategies.parameter_server.settings import ParameterServerSettings, check_staleness
 from app.strategies.parameter_server.worker import Worker
-from core.errors import UserError, check_ranges
+from core.errors import UserError
 from datamodules.samplers import GlobalBatchSampler
-
-STALENESS_POLICIES = ("drop", "scale")
 
 
 class ParameterServerStrategy(DDPStrategy):
@@ -82,13 +82,11 @@ class ParameterServerStrategy(DDPStrategy):
             timeout: a worker silent this long (dead or hung) ends the run; also the longest a worker waits for the
                 server's reply, which includes the server's validation and checkpoint writes.
         """
-        check_staleness(max_staleness, staleness_policy)
+        self.settings = ParameterServerSettings(max_staleness, staleness_policy, stale_synchronous,
+                                                message_timeout=timeout or default_pg_timeout)
         self._group: dist.ProcessGroup | None = None  # the messages' gloo group, once the ranks have met
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
-        self.max_staleness = max_staleness
-        self.staleness_policy = staleness_policy
-        self.stale_synchronous = stale_synchronous
-        self.server = ParameterServer(self)
+        self.server = ParameterServer(self.settings)
         self.worker: Worker | None = None  # on worker ranks, from setup on
 
     @property
@@ -101,10 +99,6 @@ class ParameterServerStrategy(DDPStrategy):
     @property
     def is_server(self) -> bool:
         return self.global_rank == SERVER_RANK
-
-    @property
-    def message_timeout(self) -> float:
-        return (self._timeout or default_pg_timeout).total_seconds()
 
     # ----- setup: one process group for the messages, each rank's role -----
     def setup_environment(self) -> None:
@@ -124,7 +118,7 @@ class ParameterServerStrategy(DDPStrategy):
                 metric.sync_on_compute = metric._to_sync = metric.dist_sync_on_step = False
         if self.is_server:  # its batches are pushes, each a whole optimizer step (its run plan says so)
             return
-        self.worker = Worker(self, self._group)
+        self.worker = Worker(self.lightning_module, self._group)
         trainer.limit_val_batches = 0
         trainer.num_sanity_val_steps = 0
         trainer.fit_loop.epoch_loop.max_steps = -1  # the server decides when training ends: it counts the updates
@@ -164,7 +158,7 @@ class ParameterServerStrategy(DDPStrategy):
     # ----- training -----
     def on_train_start(self) -> None:
         if self.is_server:
-            self.server.start(self._group)
+            self.server.start(self._group, self.lightning_module)
         else:
             assert self.worker is not None
             self.worker.pull()
@@ -211,13 +205,6 @@ def works_in_lockstep(callback: Callback) -> bool:
     """Callbacks that work on DDP's all-reduce or hold the ranks together at every step (the monitor's
     all_gather), which an asynchronous run has neither of."""
     return isinstance(callback, (GradientCompression, LocalUpdates, RankMonitor))
-
-
-def check_staleness(max_staleness: int, staleness_policy: str) -> None:
-    check_ranges("trainer.strategy.init_args", {
-        "max_staleness": (max_staleness >= 0, "at least 0"),
-        "staleness_policy": (staleness_policy in STALENESS_POLICIES, f"one of {', '.join(STALENESS_POLICIES)}"),
-    }, {"max_staleness": max_staleness, "staleness_policy": staleness_policy})
 
 
 def check_asynchronous(config: Any, world_size: int, precision: str) -> None:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import warnings
 from collections import deque
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import lightning as L
 import torch
 import torch.distributed as dist
 from torch.nn.utils import vector_to_parameters
@@ -17,21 +18,17 @@ from torch.nn.utils import vector_to_parameters
 from app.strategies.parameter_server.protocol import SERVER_RANK, Header, Kind, flat_sizes, flat_state, load_buffers
 from core.run_plan import run_plan_of
 
-if TYPE_CHECKING:
-    from app.strategies.parameter_server.strategy import ParameterServerStrategy
-
 
 class Worker:
     """A worker's side: asking for batches, pushing each batch's gradient, taking the weights the reply brings."""
 
-    def __init__(self, strategy: ParameterServerStrategy, group: dist.ProcessGroup) -> None:
-        self.strategy = strategy
+    def __init__(self, module: L.LightningModule, group: dist.ProcessGroup) -> None:
+        self.module = module
         self.group = group
         self.version = 0
         self.assigned: deque[int] = deque()  # batches handed to this worker, in the order its loader reads them
         self.loss_sum = 0.0
         self.micro_batches = 0
-        module = strategy.lightning_module
         self._parameters = [param for param in module.parameters()]
         self._parameter_count, self._flat_size = flat_sizes(module)
         # Lightning still steps a worker's copy of the schedule after each push, and torch warns that its optimizer,
@@ -59,7 +56,7 @@ class Worker:
         self._take_reply()
 
     def push_and_pull(self) -> None:
-        module = self.strategy.lightning_module
+        module = self.module
         gradients = [param.grad if param.grad is not None else torch.zeros_like(param) for param in self._parameters]
         flat = flat_state(module, torch.cat([gradient.flatten() for gradient in gradients]))
         plan = run_plan_of(module)
@@ -83,8 +80,8 @@ class Worker:
         dist.recv(flat, src=SERVER_RANK, group=self.group)
         count = self._parameter_count
         vector_to_parameters(flat[:count].to(self._parameters[0].device), self._parameters)
-        load_buffers(self.strategy.lightning_module, flat[count:])
+        load_buffers(self.module, flat[count:])
         self.version = header.version
 
     def _stop(self) -> None:
-        self.strategy.lightning_module.trainer.should_stop = True
+        self.module.trainer.should_stop = True
