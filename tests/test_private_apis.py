@@ -51,14 +51,14 @@ PRIVATE_ATTRIBUTES = [
     ("checkpoint", "_last_checkpoint_saved", "RunCheckpoint: the newest file, for messages and the history"),
     ("checkpoint", "_last_global_step_saved", "RunCheckpoint._write replaces Trainer.save_checkpoint"),
     ("trainer", "_checkpoint_connector", "RunCheckpoint._write: dump_checkpoint without the barrier after it"),
-    ("logger_connector", "should_update_logs", "models/module.py: a step's values logged only when the logger writes"),
+    ("logger_connector", "should_update_logs", "models/step_logging.py: a step's values logged only when the logger writes"),
     ("model_parallel", "_save_distributed_checkpoint", "checkpoint_writing.py writes_shards: an async write's layout"),
     ("fsdp", "_state_dict_type", "checkpoint_writing.py writes_shards: an async write's layout"),
     ("module", "_trainer", "models/module.py configure_model: the trainer or None, without raising"),
     ("fused_adamw", "_step_supports_amp_scaling", "bad_steps, language_model: the step reads found_inf itself"),
     ("epoch_loop", "_batches_that_stepped", "fault_tolerance/strategy.py start_step: the committed step is logged; "
-     "models/module.py write_logged_metrics: what Lightning would log there is logged a step on"),
-    ("module", "_current_fx_name", "models/module.py written_a_step_behind: Lightning's per-step default outside "
+     "models/step_logging.py write_logged_metrics: what Lightning would log there is logged a step on"),
+    ("module", "_current_fx_name", "models/step_logging.py written_a_step_behind: Lightning's per-step default outside "
      "the epoch hooks"),
 ]
 
