@@ -114,7 +114,7 @@ def test_layers_import_only_downwards() -> None:
 
 # the plain networks (each family's network.py, and the pieces they share): nn.Module code that knows nothing of
 # processes, devices or sharding
-NETWORK_PIECES = ("models.bert.masking", "models.sampling")
+NETWORK_PIECES = ("models.bert.masking", "models.sampling", "models.named_configs")
 PARALLELISM = "models.parallel"
 # the family classes and the bases they share, which build a network and parallelise it
 FAMILY_CLASSES = ("models.module", "models.causal_language_model", "models.*.family")

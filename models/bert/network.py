@@ -16,14 +16,14 @@ shards them: a rank then holds n_head / tp heads and intermediate_size / tp feed
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.errors import UserError
 from core.tokens import BYTE_BERT_VOCAB_SIZE
+from models.named_configs import named_config
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,7 @@ BERT_CONFIGS: dict[str, BertConfig] = {
 
 def bert_config(name: str, **overrides: int | float | None) -> BertConfig:
     """The named config with the given fields replaced (fields set to None are left as they are)."""
-    if name not in BERT_CONFIGS:
-        raise UserError(f"unknown model.model_name '{name}': choose one of {', '.join(BERT_CONFIGS)}")
-    return replace(BERT_CONFIGS[name], **{key: value for key, value in overrides.items() if value is not None})
+    return named_config(BERT_CONFIGS, name, overrides)
 
 
 class SelfAttention(nn.Module):

@@ -15,14 +15,14 @@ it holds, so a stage's parameter names are the unsplit model's.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.errors import UserError
 from core.tokens import BYTE_VOCAB_SIZE
+from models.named_configs import named_config
 from models.sampling import sample
 
 
@@ -57,9 +57,7 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
 
 def gpt_config(name: str, **overrides: int | float | bool | None) -> GPTConfig:
     """The named config with the given fields replaced (fields set to None are left as they are)."""
-    if name not in GPT_CONFIGS:
-        raise UserError(f"unknown model.model_name '{name}': choose one of {', '.join(GPT_CONFIGS)}")
-    return replace(GPT_CONFIGS[name], **{key: value for key, value in overrides.items() if value is not None})
+    return named_config(GPT_CONFIGS, name, overrides)
 
 
 class CausalSelfAttention(nn.Module):

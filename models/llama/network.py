@@ -17,14 +17,14 @@ initialises it).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.errors import UserError
 from core.tokens import BYTE_VOCAB_SIZE
+from models.named_configs import named_config
 from models.sampling import sample
 
 
@@ -72,9 +72,7 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
 
 def llama_config(name: str, **overrides: int | float | bool | None) -> LlamaConfig:
     """The named config with the given fields replaced (fields set to None are left as they are)."""
-    if name not in LLAMA_CONFIGS:
-        raise UserError(f"unknown model.model_name '{name}': choose one of {', '.join(LLAMA_CONFIGS)}")
-    return replace(LLAMA_CONFIGS[name], **{key: value for key, value in overrides.items() if value is not None})
+    return named_config(LLAMA_CONFIGS, name, overrides)
 
 
 def rotary_tables(sequence_length: int, head_size: int, base: float, device: torch.device,

@@ -13,13 +13,13 @@ or devices; that choice is the trainer's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.errors import UserError
+from models.named_configs import named_config
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,7 @@ RESNET_CONFIGS: dict[str, ResNetConfig] = {
 
 def resnet_config(name: str, **overrides: int | tuple[int, ...] | None) -> ResNetConfig:
     """The named config with the given fields replaced (fields set to None are left as they are)."""
-    if name not in RESNET_CONFIGS:
-        raise UserError(f"unknown model.model_name '{name}': choose one of {', '.join(RESNET_CONFIGS)}")
-    return replace(RESNET_CONFIGS[name], **{key: value for key, value in overrides.items() if value is not None})
+    return named_config(RESNET_CONFIGS, name, overrides)
 
 
 class BasicBlock(nn.Module):
