@@ -60,6 +60,11 @@ def family_of(class_path: str) -> Family | None:
     return next((family for family in FAMILIES if family.class_path == current_class_path(class_path)), None)
 
 
+# the one family there was before the others: what a config that names no family trains, and what a checkpoint
+# that records no family (written before checkpoints did) holds
+DEFAULT_FAMILY = family_named("gpt")
+
+
 def labels(families: tuple[Family, ...], conjunction: str) -> str:
     """The families' labels as a sentence lists them: "GPT, Llama and BERT"."""
     names = [family.label for family in families]

@@ -3,6 +3,8 @@ reads the records: a family added is one folder and one line there."""
 
 from __future__ import annotations
 
+import ast
+import re
 import pytest
 import yaml
 
@@ -54,3 +56,66 @@ def test_fit_help_lists_every_family(capsys: pytest.CaptureFixture[str], monkeyp
 def test_an_unknown_family_is_refused_naming_every_registered_one(monkeypatch: pytest.MonkeyPatch) -> None:
     message = one_line_error(["fit", "--model", "models.nope.Family", "--print_config"], monkeypatch)
     assert all(family.class_path in message for family in FAMILIES), message
+
+
+# Where a family may be named: its folder, the registry and the class paths that moved. Everything else reads the
+# registry, so a family added or renamed is changed in one place.
+FAMILY_HOMES = [*(f"models/{family.name}/" for family in FAMILIES), "models/registry.py", "models/class_paths.py"]
+# named, commented exceptions: a file that names a family anyway, and why
+NAMED_ANYWAY = {
+    # imports nothing, so that `cohort --help` loads no torch: it cannot read the registry. Its export line is held to
+    # the registry by test_the_command_overview_names_the_families_export_writes; its test and predict lines say
+    # "a GPT checkpoint"
+    "app/cli/commands.py",
+}
+
+# how code names a family: its modules, the classes its folder defines, its label and its name
+FAMILY_MODULES = re.compile(r"\bmodels\.(" + "|".join(family.name for family in FAMILIES) + r")\b")
+FAMILY_CLASSES = {node.name for family in FAMILIES for path in (REPO_ROOT / "models" / family.name).rglob("*.py")
+                  for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)}
+FAMILY_LABELS = re.compile(r"\b(" + "|".join(family.label for family in FAMILIES) + r")\b")
+FAMILY_NAMES = {family.name for family in FAMILIES}
+
+
+def family_names_in(source: str) -> list[str]:
+    """Where ``source`` names a family, one line each: an import of a family's modules, a class defined in a
+    family's folder, or a string (not a docstring: prose may mention GPT) holding a family's module path, name or
+    label ("GPT", or "gpt" as the whole string: Hugging Face's tensor names, "bert.pooler.", are not a family's).
+    Comments are not code and are not read."""
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and ast.get_docstring(node, clean=False) is not None}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            named = [alias.name for alias in node.names if FAMILY_MODULES.search(alias.name)]
+        elif isinstance(node, ast.ImportFrom):
+            named = [f"{node.module}.{alias.name}" for alias in node.names
+                     if FAMILY_MODULES.search(f"{node.module}.{alias.name}") or alias.name in FAMILY_CLASSES]
+        elif isinstance(node, ast.Name):
+            named = [node.id] if node.id in FAMILY_CLASSES else []
+        elif isinstance(node, ast.Attribute):
+            named = [node.attr] if node.attr in FAMILY_CLASSES else []
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            text = node.value
+            named = [repr(text)] if (FAMILY_MODULES.search(text) or FAMILY_LABELS.search(text)
+                                     or text in FAMILY_NAMES) else []
+        else:
+            named = []
+        found += [f"line {node.lineno}: {name}" for name in named]
+    return found
+
+
+def test_no_family_is_named_outside_its_folder_and_the_registry() -> None:
+    assert family_names_in("from models.gpt.family import GPTLanguageModel\nx = GPT\ny = 'a Llama run'\n"
+                           "z = registry.family_named('bert')") == [
+        "line 1: models.gpt.family.GPTLanguageModel", "line 2: GPT", "line 3: 'a Llama run'", "line 4: 'bert'"]
+    assert family_names_in('"""a docstring may say GPT"""\nx = 1  # and so may a comment: BERT') == []
+    sources = sorted(path.relative_to(REPO_ROOT).as_posix() for package in ("app", "core", "datamodules", "models")
+                     for path in (REPO_ROOT / package).rglob("*.py"))
+    outside = [source for source in sources if not source.startswith(tuple(FAMILY_HOMES))]
+    assert "app/cli/lightning_cli.py" in outside and NAMED_ANYWAY <= set(outside)
+    naming = {source: found for source in outside if source not in NAMED_ANYWAY
+              and (found := family_names_in((REPO_ROOT / source).read_text()))}
+    assert not naming, f"families named outside models/<family>/ and models/registry.py: {naming}"

@@ -51,7 +51,7 @@ from datamodules.language_modeling import LanguageModelingDataModule
 from datamodules.own_datamodule import share_out_training_samples
 from models.class_paths import class_path_of, with_current_class_paths
 from models.module import DERIVED_FROM_DATA, CohortModule
-from models.registry import FAMILIES, families_help, family_named
+from models.registry import DEFAULT_FAMILY, FAMILIES, families_help
 
 
 class CohortArgumentParser(LightningArgumentParser):
@@ -139,8 +139,9 @@ class CohortCLI(LightningCLI):
                             help="one seed for the data order, the initial weights and dropout on every rank")
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        # a config that names no family trains a GPT on token files, as every config did before there were others
-        parser.set_defaults({"model": {"class_path": family_named("gpt").class_path},
+        # a config that names no family trains the default one on token files, as every config did before there
+        # were others
+        parser.set_defaults({"model": {"class_path": DEFAULT_FAMILY.class_path},
                              "data": {"class_path": class_path_of(LanguageModelingDataModule)}})
         # what the model must agree with the data on; a link whose two ends are not both in the chosen classes is
         # skipped, so each family takes the ones it has

@@ -27,7 +27,7 @@ from app.safety.atomic_paths import remove_path, replace_path
 from app.safety.checkpoint_reading import load_checkpoint
 from core.errors import ArgumentParser, UserError, check_writable_folder
 from core.tokens import BYTE_BERT_VOCAB_SIZE, BYTE_SPECIAL_TOKENS, BYTE_VOCAB_SIZE
-from models.registry import EXPORTED, family_named, family_of, labels
+from models.registry import DEFAULT_FAMILY, EXPORTED, family_of, labels
 
 
 def main(argv: list[str]) -> None:
@@ -61,7 +61,7 @@ def huggingface_model(checkpoint: dict[str, Any], path: Path) -> tuple[dict[str,
     shape is what the family makes of the hyperparameters it saved (the family is built, its network is not: the
     weights are the checkpoint's)."""
     saved = checkpoint.get("hyper_parameters", {})
-    class_path = checkpoint.get("cohort_model_class", family_named("gpt").class_path)  # unrecorded: GPTs only
+    class_path = checkpoint.get("cohort_model_class", DEFAULT_FAMILY.class_path)  # unrecorded: the default's
     family = family_of(class_path)  # also by a path it had before it moved
     if family not in EXPORTED:
         raise UserError(f"{path} holds a model of the family {class_path.rsplit('.', 1)[-1]}, and cohort export "
