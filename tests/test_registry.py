@@ -119,3 +119,10 @@ def test_no_family_is_named_outside_its_folder_and_the_registry() -> None:
     naming = {source: found for source in outside if source not in NAMED_ANYWAY
               and (found := family_names_in((REPO_ROOT / source).read_text()))}
     assert not naming, f"families named outside models/<family>/ and models/registry.py: {naming}"
+
+
+def test_the_readme_lists_the_registered_families_in_order() -> None:
+    """README's table of model families names each family by its class path, as the registry does, in its order."""
+    section = (REPO_ROOT / "README.md").read_text().split(" model families\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| [^|`]*\(`([\w.]+)`\) \|", section, flags=re.MULTILINE)
+    assert rows == [family.class_path for family in FAMILIES]
