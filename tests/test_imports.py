@@ -142,3 +142,14 @@ def test_networks_know_nothing_of_parallelism() -> None:
     importers = sorted(name for name, imported in graph.items() if layer_of(name) == "models"
                        and not is_parallelism(name) and any(map(is_parallelism, imported)))
     assert importers and all(any(fnmatch(name, pattern) for pattern in FAMILY_CLASSES) for name in importers), importers
+
+
+MOST_LINES_IN_APP = 400  # a file one reads in one sitting; past it, a file has grown a second concern to split off
+
+
+def test_no_file_in_app_is_over_400_lines() -> None:
+    lengths = {path.relative_to(REPO_ROOT).as_posix(): len(path.read_text().splitlines())
+               for path in sorted((REPO_ROOT / "app").rglob("*")) if path.is_file() and "__pycache__" not in path.parts}
+    assert "app/cli/lightning_cli.py" in lengths
+    too_long = {path: lines for path, lines in lengths.items() if lines > MOST_LINES_IN_APP}
+    assert not too_long, f"files in app/ over {MOST_LINES_IN_APP} lines (split them by concern): {too_long}"
