@@ -297,9 +297,11 @@ class CohortModule(StepLoggedModule):
             if isinstance(value, Metric):
                 metrics[name] = value
             else:
-                # float32 whatever the default dtype (bf16-true sets bfloat16 around the step)
-                mean = metrics.setdefault(name, MeanMetric().set_dtype(torch.float32).to(self.device))
-                mean.update(torch.nan_to_num(value.float()), weight=weight)
+                if name not in metrics:  # gathered as the loss is (the parameter server's server: not at all);
+                    # float32 whatever the default dtype (bf16-true sets bfloat16 around the step)
+                    metrics[name] = MeanMetric(sync_on_compute=loss_metric.sync_on_compute).set_dtype(
+                        torch.float32).to(self.device)
+                metrics[name].update(torch.nan_to_num(value.float()), weight=weight)
 
     def on_validation_epoch_end(self) -> None:
         self.log_evaluation("val", self.val_loss, self.val_metrics)
