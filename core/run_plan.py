@@ -4,12 +4,14 @@ handed to the data, the model, the callbacks and ``cohort doctor``, so that none
     world size   = devices per node x nodes = pipeline stages x data-parallel x tensor-parallel
                                             (asynchronous: 1 parameter server + the workers)
     global batch = micro batch x data-parallel size x accumulation (x replica groups, under fault tolerance)
+    data-parallel size = replicas x shards (hybrid sharding; 1 replica of every data-parallel rank by default)
     micro batch  = pipeline micro-batch x pipeline_microbatches (with pipeline stages only)
 
 Ranks sit on the strategy's device mesh, row-major over (pipeline_parallel, data_parallel, tensor_parallel), the
 order of torchtitan and of ModelParallelStrategy's (data_parallel, tensor_parallel) mesh when there is no
 pipeline. Ranks of one tensor-parallel group, and the stages of one pipeline, read the same samples; under DDP
-every rank is its own data-parallel rank.
+every rank is its own data-parallel rank. Under hybrid sharding the data-parallel dimension is itself row-major over
+(replica, shard): data-parallel rank = replica x shards + shard, each reading its own samples.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ class RunPlan:
     # fault-tolerant replica groups (app/strategies/fault_tolerance/), each a job of its own; a quorum of n of them
     # shares each global batch, each reading global_batch_size / n; 1: one job
     replica_groups: int = 1
+    # hybrid sharding (app/strategies/hybrid_sharding.py): the data-parallel ranks are this many replicas of the
+    # model, each sharded (FSDP2) over data_parallel_size / data_parallel_replicate_size ranks; 1: over all of them
+    data_parallel_replicate_size: int = 1
+    # FSDP2 under accumulation: reduce-scatter every micro-batch's gradients (sharded gradients only: less memory)
+    # rather than once per optimizer step (unsharded gradients held until the step's last micro-batch)
+    reduce_gradients_every_micro_batch: bool = False
 
     def __post_init__(self) -> None:
         check_ranges("trainer", {"devices": (self.devices_per_node >= 1, "at least 1 per node"),
@@ -78,6 +86,11 @@ class RunPlan:
             )
         if self.pipeline_parallel_size > 1:
             self._check_pipeline()
+        replicas = self.data_parallel_replicate_size
+        if replicas < 1 or self.data_parallel_size % replicas != 0:
+            raise UserError(f"trainer.strategy.init_args.data_parallel_replicate_size={replicas} must be at least 1 "
+                            f"and divide data_parallel_size={self.data_parallel_size} (replicas x shards): choose a "
+                            "divisor, such as the number of nodes")
 
     def _check_pipeline(self) -> None:
         field = "trainer.strategy.init_args"
@@ -109,6 +122,11 @@ class RunPlan:
         if self.precision.name == "16-mixed":
             raise UserError("trainer.precision=16-mixed: the pipeline runs its own backward, which fp16's loss "
                             "scaler cannot scale; use bf16-mixed or 32-true with pipeline stages")
+
+    @property
+    def data_parallel_shard_size(self) -> int:
+        """Data-parallel ranks that shard each parameter between them (all of them but under hybrid sharding)."""
+        return self.data_parallel_size // self.data_parallel_replicate_size
 
     @property
     def world_size(self) -> int:
@@ -220,8 +238,10 @@ class RunPlan:
                     f"asynchronous workers and applied by the parameter server (rank 0) as it arrives; "
                     f"{self.tokens_per_step:,} {self.unit} per update")
         groups = f" x {self.replica_groups} fault-tolerant replica groups" if self.replica_groups > 1 else ""
+        hybrid = (f" ({self.data_parallel_replicate_size} replicas x {self.data_parallel_shard_size} shards)"
+                  if self.data_parallel_replicate_size > 1 else "")
         return (f"global batch {self.global_batch_size} = micro batch {self.micro_batch_size} x "
-                f"{self.data_parallel_size} data-parallel ranks x {self.accumulation} accumulation steps{groups}; "
+                f"{self.data_parallel_size} data-parallel ranks{hybrid} x {self.accumulation} accumulation steps{groups}; "
                 f"{self.tokens_per_step:,} {self.unit} per optimizer step{pipeline}")
 
 

@@ -38,7 +38,8 @@ from models.class_paths import class_path_of, current_class_path
 from models.interchange import HuggingFaceAdapter, HuggingFaceFolder
 from models.optimizer import OptimizerSettings
 from models.parallel.parallelize import (
-    GradientNorms, TensorParallelPlan, build_network, check_tensor_parallel_size, clip_grad_norm_, repeated_blocks,
+    GradientNorms, TensorParallelPlan, build_network, check_tensor_parallel_size, choose_gradient_reduction,
+    clip_grad_norm_, repeated_blocks,
 )
 from models.parallel.pipeline import (
     Pipeline, PipelineSplit, block_paths, check_split, check_stages_have_blocks, keep_stage, merge_stages,
@@ -261,6 +262,7 @@ class CohortModule(StepLoggedModule):
             if plan.ends_optimizer_step(batch_idx):
                 self.pipeline.finish_gradients()
         else:
+            choose_gradient_reduction(self.model, plan, batch_idx)
             loss, metrics = self.batch_metrics(self.model, self.prepare_batch(batch, batch_idx))
         if plan.ends_optimizer_step(batch_idx):
             self.step_metrics = {"train/loss": loss.detach(), **{f"train/{name}": value.detach()

@@ -45,6 +45,7 @@ DDP_2 = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
 MODEL_PARALLEL = ["-c", str(CONFIG_DIR / "trainer/model_parallel_cpu.yaml")]  # FSDP2 (dp=2, tp=1) on 2 processes
 TENSOR_PARALLEL = [*MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
                    "--trainer.strategy.init_args.tensor_parallel_size", "2"]  # every layer split over 2 processes
+HYBRID_SHARDED = ["-c", str(CONFIG_DIR / "trainer/hsdp_cpu.yaml")]  # HSDP: 2 replicas x 2 shards on 4 processes
 PIPELINE = ["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")]  # 2 stages (1F1B) on 2 processes
 GPU_LAYOUTS = {  # the shipped GPU presets on 1 or 2 GPUs
     "1 gpu": ["-c", str(CONFIG_DIR / "trainer/gpu_bf16.yaml")],
@@ -493,6 +494,54 @@ class AllReduceLog(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         torch.distributed.all_reduce = self.all_reduce
         (self.out_dir / f"allreduce_log_rank{trainer.global_rank}.json").write_text(json.dumps(self.calls))
+
+
+def local_and_whole(tensors: list[torch.Tensor]) -> list[int]:
+    """[bytes this rank holds of ``tensors`` (a DTensor's local shard), bytes of their whole]."""
+    local = [tensor.to_local() if isinstance(tensor, DTensor) else tensor for tensor in tensors]
+    return [sum(part.numel() * part.element_size() for part in local),
+            sum(tensor.numel() * tensor.element_size() for tensor in tensors)]
+
+
+class ShardingRecord(Callback):
+    """Records, per rank, into ``out_dir``/sharding_rank{R}.json: each training micro-batch's gradient and weight
+    collectives on the device mesh's dimensions (app/tools/comm.py CollectiveCounter) as [batch index, operation,
+    dimension, bytes], and the bytes of the parameters, gradients (at the last optimizer step) and optimizer state
+    this rank holds (its local shards) and those of the whole of each (what DDP holds on every rank)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+        self.batch_idx = -1
+        self.counted: list[list[Any]] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from app.tools.comm import CollectiveCounter
+
+        mesh = trainer.strategy.device_mesh
+        names = dict.fromkeys([*mesh.mesh_dim_names, "data_parallel"])
+        self.counter = CollectiveCounter({mesh[name].get_group(): name for name in names}).__enter__()
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.batch_idx = batch_idx
+        self.counter.calls.clear()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.counted += [[batch_idx, call.operation, call.group, call.bytes] for call in self.counter.calls
+                         if call.group != "other"]
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        self.gradients = local_and_whole([param.grad for param in pl_module.parameters() if param.grad is not None])
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.counter.__exit__()
+        moments = [value for state in trainer.optimizers[0].state.values() for value in state.values()
+                   if isinstance(value, torch.Tensor) and value.dim() > 0]  # Adam's moments, not its step counts
+        summary = {"collectives": self.counted, "accumulation": trainer.accumulate_grad_batches,
+                   "parameters": local_and_whole(list(pl_module.parameters())), "gradients": self.gradients,
+                   "optimizer_state": local_and_whole(moments)}
+        (self.out_dir / f"sharding_rank{trainer.global_rank}.json").write_text(json.dumps(summary))
 
 
 class LagBehindWorker(Callback):

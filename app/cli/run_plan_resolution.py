@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import (
 from app.strategies.fault_tolerance import checks as fault_tolerance
 from app.strategies.fault_tolerance.settings import FaultToleranceSettings
 from app.strategies.fault_tolerance.strategy import FaultTolerantStrategy
+from app.strategies.hybrid_sharding import HybridShardedStrategy
 from app.strategies.kind import ConfiguredStrategy, StrategyKind
 from app.strategies.parameter_server.strategy import ParameterServerStrategy, check_asynchronous
 from app.strategies.pipeline import PipelineParallelStrategy
@@ -38,6 +39,8 @@ Settings = TypeVar("Settings")  # a feature's frozen settings record
 # PipelineParallelStrategy's arguments and their defaults: the one place they are written is its signature
 PIPELINE_DEFAULTS = {name: parameter.default for name, parameter
                      in inspect.signature(PipelineParallelStrategy.__init__).parameters.items() if name != "self"}
+HYBRID_SHARDING_DEFAULTS = {name: inspect.signature(HybridShardedStrategy.__init__).parameters[name].default
+                            for name in ("data_parallel_replicate_size", "reduce_gradients_every_micro_batch")}
 
 
 def resolve_run_plan(config: Namespace) -> tuple[ConfiguredStrategy, RunPlan]:
@@ -80,6 +83,7 @@ def resolve_run_plan(config: Namespace) -> tuple[ConfiguredStrategy, RunPlan]:
         pipeline_parallel_size=pipeline, **pipeline_options(trainer, strategy.kind),
         unit=getattr(data, "unit", getattr(class_of(config.data.class_path), "unit", "tokens")),
         asynchronous_workers=world_size - 1 if asynchronous else 0, replica_groups=replica_groups,
+        **hybrid_sharding_options(trainer, strategy.kind),
     )
 
 
@@ -179,6 +183,17 @@ def parallel_sizes(trainer: Namespace, kind: StrategyKind) -> tuple[int, int, in
     tensor_parallel = getattr(sizes, "tensor_parallel_size", "auto")
     return (1, int(trainer.num_nodes) if data_parallel == "auto" else int(data_parallel),
             devices_per_node(trainer) if tensor_parallel == "auto" else int(tensor_parallel))
+
+
+def hybrid_sharding_options(trainer: Namespace, kind: StrategyKind) -> dict[str, int | bool]:
+    """HybridShardedStrategy's replicate size and gradient reduction under accumulation, as given (the run plan
+    refuses a replicate size that does not divide the data-parallel size), else its defaults: Lightning's
+    ModelParallelStrategy, which has neither argument, shards over all data-parallel ranks and, like every FSDP2
+    run, reduces the gradients once per optimizer step."""
+    if kind is not StrategyKind.MODEL_PARALLEL:
+        return {}
+    given = getattr(trainer.strategy, "init_args", None) or Namespace()
+    return {name: getattr(given, name, default) for name, default in HYBRID_SHARDING_DEFAULTS.items()}
 
 
 def pipeline_options(trainer: Namespace, kind: StrategyKind) -> dict[str, str | int | tuple[int, ...] | None]:

@@ -72,6 +72,55 @@ def time_collective(operation: str, elements: int, device: torch.device, iterati
     return elapsed.item()
 
 
+@dataclass(frozen=True)
+class Collective:
+    operation: str  # a key of BUS_FACTOR
+    group: str  # the name the counter was given for its process group
+    ranks: int  # the group's size
+    bytes: int  # the full buffer, as nccl-tests counts it: the gathered or reduced tensor, not one shard
+
+    @property
+    def bytes_sent(self) -> float:
+        """What each rank sends of it, whatever the algorithm: the full buffer times its bus factor."""
+        return self.bytes * BUS_FACTOR[self.operation](self.ranks)
+
+
+class CollectiveCounter:
+    """Records the gradient and weight collectives this process calls while it is entered: torch.distributed's
+    all_gather_single and reduce_scatter_single (FSDP2's) and all_reduce (HSDP's across replicas, DDP's), which their
+    callers look up on the module at each call. ``group_names`` names the process groups to tell apart (a device mesh
+    dimension's ``get_group()``); a collective on another group is recorded under "other"."""
+
+    FUNCTIONS = {"all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter",
+                 "all_reduce": "all_reduce"}
+
+    def __init__(self, group_names: dict[dist.ProcessGroup, str]) -> None:
+        self.group_names = group_names
+        self.calls: list[Collective] = []
+        self.originals: dict[str, Callable[..., object]] = {}
+
+    def __enter__(self) -> CollectiveCounter:
+        for function, operation in self.FUNCTIONS.items():
+            self.originals[function] = original = getattr(dist, function)
+            setattr(dist, function, self.recording(operation, original))
+        return self
+
+    def __exit__(self, *exception: object) -> None:
+        for function, original in self.originals.items():
+            setattr(dist, function, original)
+
+    def recording(self, operation: str, original: Callable[..., object]) -> Callable[..., object]:
+        def record(*args: object, **kwargs: object) -> object:
+            group = kwargs.get("group")
+            # the full buffer: all-gather's output, reduce-scatter's input, the all-reduced tensor
+            tensor = kwargs["input"] if "input" in kwargs else args[1] if operation == "reduce_scatter" else args[0]
+            assert isinstance(tensor, torch.Tensor)
+            self.calls.append(Collective(operation, self.group_names.get(group, "other"),  # type: ignore[arg-type]
+                                         dist.get_world_size(group), tensor.numel() * tensor.element_size()))
+            return original(*args, **kwargs)
+        return record
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -21,11 +21,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from core.errors import UserError
+from core.run_plan import RunPlan
 from core.seeding import derive_seed
 
 # a family's tensor-parallel plan: module-name patterns ("blocks.*.attn.qkv") -> how that Linear is split.
@@ -50,7 +51,7 @@ def build_network(
     pretrained: Callable[[str], torch.Tensor] | None = None,
 ) -> nn.Module:
     """``make_network()`` on ``device``, parallelised over ``device_mesh`` (dims "data_parallel" and
-    "tensor_parallel") if given, and initialised from ``seed``. ``autocast_dtype`` (mixed precision's) is the dtype
+    "tensor_parallel", and under hybrid sharding "data_parallel_replicate" and "data_parallel_shard") if given, and initialised from ``seed``. ``autocast_dtype`` (mixed precision's) is the dtype
     FSDP2 gathers the weights in, except in a network with batch norms, whose float32 running statistics cannot meet
     half-precision weights (autocast then runs its convolutions in half precision, as under DDP). ``keep_stage``
     removes what other pipeline stages hold, so that only this rank's stage is built. ``pretrained`` reads each
@@ -71,7 +72,7 @@ def build_network(
         # a pipeline runs each stage's forward once per pipeline micro-batch: gathering the shards again each time
         # would cost more than keeping them (torchtitan does the same)
         batch_norms = any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in network.modules())
-        apply_fsdp(network, block_list, device_mesh["data_parallel"], None if batch_norms else autocast_dtype,
+        apply_fsdp(network, block_list, fsdp_mesh(device_mesh), None if batch_norms else autocast_dtype,
                    reshard_after_forward=keep_stage is None)
     materialize(network, device)
     if pretrained is not None:
@@ -92,6 +93,16 @@ def shards_data_parallel(device_mesh: DeviceMesh | None, pipeline_stage: bool) -
         return False
     alone = device_mesh["data_parallel"].size() == 1 and device_mesh["tensor_parallel"].size() == 1
     return not (pipeline_stage and alone)
+
+
+def fsdp_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: under hybrid sharding (app/strategies/hybrid_sharding.py, a replicate size over
+    1) the 2-D (data_parallel_replicate, data_parallel_shard) one, on which fully_shard shards along the second
+    dimension and all-reduces the gradient shards along the first (HSDP); else the 1-D data-parallel one."""
+    names = device_mesh.mesh_dim_names or ()
+    if "data_parallel_replicate" in names and device_mesh["data_parallel_replicate"].size() > 1:
+        return device_mesh["data_parallel_replicate", "data_parallel_shard"]
+    return device_mesh["data_parallel"]
 
 
 def repeated_blocks(network: nn.Module) -> list[nn.Module]:
@@ -167,6 +178,19 @@ def apply_fsdp(network: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(network, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+
+def choose_gradient_reduction(network: nn.Module, plan: RunPlan, batch_index: int) -> None:
+    """Before a micro-batch's backward under FSDP2, which of its gradient collectives run: all of them on the
+    optimizer step's last micro-batch; on the others none (each rank adds up the unsharded gradients: one reduction
+    per step, as DDP's no_sync, which Lightning does not do for FSDP2), or with
+    ``plan.reduce_gradients_every_micro_batch`` the reduce-scatter only (each rank adds up its shard: less memory).
+    Under hybrid sharding the shards are all-reduced across the replicas on the last micro-batch only, either way."""
+    if not isinstance(network, FSDPModule):
+        return
+    last = plan.ends_optimizer_step(batch_index)
+    network.set_requires_gradient_sync(last or plan.reduce_gradients_every_micro_batch)
+    network.set_requires_all_reduce(last)
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
