@@ -23,7 +23,7 @@ RECIPES = [path for path in CONFIGS if path not in TRAINER_PRESETS]
 def test_configs_exist() -> None:
     names = {path.stem for path in TRAINER_PRESETS}
     assert {"cpu", "ddp_cpu", "gpu_bf16", "ddp_gpu_bf16", "multinode_gpu_bf16", "fsdp_gpu_bf16", "model_parallel_cpu",
-            "model_parallel_gpu_bf16"} <= names
+            "model_parallel_gpu_bf16", "hsdp_cpu", "hsdp_gpu_bf16"} <= names
     assert REPO_ROOT / "configs" / "quickstart.yaml" in RECIPES
 
 
@@ -52,6 +52,17 @@ REFUSED = {
                       "llama-8b/continued_pretraining.yaml")
        for preset in ("fault_tolerant_cpu", "fault_tolerant_gpu_bf16")},
 }
+
+# the 4 CPU processes of hsdp_cpu: the recipes' global batches are sized for 1 or 2
+REFUSED.update({
+    ("quickstart.yaml", "hsdp_cpu"): "data.global_batch_size=32 is not a multiple of data.micro_batch_size=16 x 4",
+    ("bert-small/pretrain.yaml", "hsdp_cpu"): "data.global_batch_size=32 is not a multiple of data.micro_batch_size=16 x 4",
+    ("llama-small/pretrain.yaml", "hsdp_cpu"): "data.global_batch_size=32 is not a multiple of data.micro_batch_size=16 x 4",
+    ("resnet-small/digits.yaml", "hsdp_cpu"): "data.global_batch_size=64 is not a multiple of data.micro_batch_size=32 x 4",
+})
+# hsdp_gpu_bf16 has multinode_gpu_bf16's 16 data-parallel ranks (2 nodes of 8 GPUs), so the same refusals
+REFUSED.update({(recipe, "hsdp_gpu_bf16"): refusal for (recipe, preset), refusal in list(REFUSED.items())
+                if preset == "multinode_gpu_bf16"})
 
 # recipes that start from a Hugging Face folder the user brings (model.init_from), which this machine has not got
 STARTS_FROM_A_FOLDER = {"llama-8b/continued_pretraining.yaml"}

@@ -52,6 +52,20 @@ def test_a_gpu_job_checked_without_a_gpu_passes_when_it_fits(debug_run_args: lis
     assert passed, lines
 
 
+def test_hybrid_sharding_shows_replicas_and_shards_and_the_memory_accumulation_costs(
+        debug_run_args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """hsdp_cpu.yaml with 2 micro-batches per step: the run plan line shows both sizes; the memory is that of 2
+    shards (not 4) and states the whole gradients accumulation holds; reducing every micro-batch drops that line."""
+    monkeypatch.chdir(tmp_path)
+    hsdp = [*debug_run_args, "-c", str(CONFIG_DIR / "trainer/hsdp_cpu.yaml"), "--data.global_batch_size", "16",
+            "--data.micro_batch_size", "2"]
+    lines, _ = doctor_lines(hsdp)
+    assert "4 data-parallel ranks (2 replicas x 2 shards) x 2 accumulation steps" in lines["run plan"]
+    assert "unsharded gradients under accumulation" in lines["memory"], lines["memory"]
+    lines, _ = doctor_lines([*hsdp, "--trainer.strategy.init_args.reduce_gradients_every_micro_batch", "true"])
+    assert "unsharded gradients" not in lines["memory"], lines["memory"]
+
+
 def test_the_memory_line_is_skipped_with_its_reason_when_the_sizes_are_unknown(
         debug_run_args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

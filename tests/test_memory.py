@@ -59,6 +59,23 @@ def test_fsdp_divides_the_state_by_the_data_parallel_size() -> None:
     assert "DDP buckets" not in dict(fsdp.other_parts) and "FSDP gathered" in dict(fsdp.other_parts)
 
 
+def test_fsdp_accumulating_whole_gradients_holds_them_unsharded() -> None:
+    """Reduced once per optimizer step, each rank's gradients stay whole until the step's last micro-batch: the
+    whole model's worth (float32 under bf16-mixed, FSDP2's reduce dtype), on top of the sharded gradients the step
+    keeps; reduce_gradients_every_micro_batch is the advice that saves exactly that."""
+    with torch.device("meta"):
+        whole_bytes = sum(parameter.numel() for parameter in GPT(SMALL).parameters()) * 4
+    sharded = small_estimate(strategy="fsdp", data_parallel_size=4, precision="bf16-mixed")
+    held = small_estimate(strategy="fsdp", data_parallel_size=4, precision="bf16-mixed", unsharded_gradients=True)
+    assert dict(held.other_parts)["unsharded gradients under accumulation"] == whole_bytes
+    assert held.total - sharded.total == whole_bytes
+    advised = estimate_memory(lambda: GPT(SMALL), next_token_loss(SMALL.block_size, SMALL.vocab_size), 4,
+                              strategy="fsdp", data_parallel_size=4, device_type="cpu", unsharded_gradients=True)
+    assert dict(advised.advice)["reduce_gradients_every_micro_batch"] == advised.total - whole_bytes
+    ddp = small_estimate(strategy="ddp", data_parallel_size=4, unsharded_gradients=True)
+    assert "unsharded gradients under accumulation" not in dict(ddp.other_parts)
+
+
 def test_tensor_parallel_and_pipeline_split_the_blocks_only() -> None:
     whole = profile_network(lambda: GPT(GPT2), next_token_loss(64, GPT2.vocab_size), 1, "32-true")
     blocks = sum(whole.block_parameters)

@@ -23,6 +23,7 @@ from core.run_plan import RunPlan
 from models.gpt.family import GPTLanguageModel
 from models.gpt.network import GPT, GPT_CONFIGS
 from models.optimizer import OptimizerSettings, warmup_cosine_schedule, weight_decay_groups
+from tests.helpers import REPO_ROOT, one_line_error
 
 
 def plan(world_size: int = 1, micro: int = 4, global_batch: int = 32, num_nodes: int = 1,
@@ -90,10 +91,37 @@ def test_the_plan_is_resolved_from_the_config_alone(debug_run_args: list[str]) -
     assert cli.config.model.init_args.seed == 7  # linked, as vocab_size is
 
 
+def test_hybrid_sharding_splits_the_data_parallel_ranks_into_replicas_of_shards(debug_run_args: list[str],
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """hsdp_cpu.yaml as fit resolves it: 4 data-parallel ranks, 2 replicas x 2 shards, each rank reading its own
+    samples (data-parallel rank = replica x shards + shard, the mesh's row-major order); the batch line shows both.
+    A replicate size that does not divide the data-parallel ranks is refused in one line; so is one given to a
+    strategy without hybrid sharding (Lightning's ModelParallelStrategy), by the parser."""
+    hsdp = ["-c", str(REPO_ROOT / "configs/trainer/hsdp_cpu.yaml"), "--data.global_batch_size", "16",
+            "--data.micro_batch_size", "2"]
+    resolved = check_config(DoctorCLI([*debug_run_args, *hsdp]).config)
+    assert (resolved.data_parallel_size, resolved.data_parallel_replicate_size, resolved.data_parallel_shard_size,
+            resolved.accumulation, resolved.reduce_gradients_every_micro_batch) == (4, 2, 2, 2, False)
+    assert [resolved.data_parallel_rank(rank) for rank in range(4)] == [0, 1, 2, 3]
+    assert ("global batch 16 = micro batch 2 x 4 data-parallel ranks (2 replicas x 2 shards) x 2 accumulation steps"
+            in resolved.describe())
+    with pytest.raises(UserError, match="data_parallel_replicate_size=3 must be at least 1 and divide "
+                                        "data_parallel_size=4") as error:
+        check_config(DoctorCLI([*debug_run_args, *hsdp, "--trainer.strategy.init_args.data_parallel_replicate_size",
+                                "3"]).config)
+    assert "\n" not in str(error.value)
+    model_parallel = ["-c", str(REPO_ROOT / "configs/trainer/model_parallel_cpu.yaml")]
+    assert check_config(DoctorCLI([*debug_run_args, *model_parallel]).config).data_parallel_replicate_size == 1
+    assert "unknown option trainer.strategy.data_parallel_replicate_size" in one_line_error(
+        ["fit", *debug_run_args, *model_parallel, "--trainer.strategy.init_args.data_parallel_replicate_size", "2",
+         "--print_config"], monkeypatch)
+
+
 @pytest.mark.parametrize(("strategy", "kind"), [
     ("auto", StrategyKind.DDP), ("ddp_spawn", StrategyKind.DDP), ("deepspeed", StrategyKind.OTHER),
     ("xla", StrategyKind.OTHER), ("single_device", StrategyKind.OTHER),
     ("lightning.pytorch.strategies.ModelParallelStrategy", StrategyKind.MODEL_PARALLEL),
+    ("app.strategies.hybrid_sharding.HybridShardedStrategy", StrategyKind.MODEL_PARALLEL),
     ("app.strategies.pipeline.PipelineParallelStrategy", StrategyKind.PIPELINE),
     ("app.strategies.parameter_server.strategy.ParameterServerStrategy", StrategyKind.PARAMETER_SERVER),
     ("app.strategies.fault_tolerance.strategy.FaultTolerantStrategy", StrategyKind.FAULT_TOLERANT),

@@ -125,18 +125,24 @@ def instantiate_family(config: Namespace) -> tuple[LightningDataModule | None, C
 
 def check_memory(config: Namespace, model: CohortModule, plan: RunPlan, kind: StrategyKind) -> Check:
     """Per-device memory of a training step under the config's strategy (of this kind) and precision
-    (app/tools/memory.py), against --device_memory or, on a GPU, its size."""
+    (app/tools/memory.py), against --device_memory or, on a GPU, its size. Sharded runs shard over the data-parallel
+    shard size (all data-parallel ranks but under hybrid sharding, whose replicas each hold a whole sharded copy)."""
     trainer = config.trainer
     on_gpu = targets_gpu(config)
     sharded = kind is StrategyKind.FSDP or kind.shards_layers
     strategy = "fsdp" if sharded else "ddp" if plan.data_parallel_size > 1 else "single"
     fsdp_checkpointing = getattr(getattr(trainer.strategy, "init_args", None), "activation_checkpointing_policy", None)
+    # FSDP2 (not under a pipeline, whose schedule reduces itself) keeps whole gradients while it accumulates them,
+    # unless told to reduce-scatter every micro-batch (models/parallel/parallelize.py choose_gradient_reduction)
+    held_whole = (kind is StrategyKind.MODEL_PARALLEL and plan.accumulation > 1
+                  and not plan.reduce_gradients_every_micro_batch)
     estimate = estimate_memory(
-        model.plain_network, module_step_loss(model, plan.sequence_length),
-        plan.micro_batch_size, plan.precision.name, strategy, plan.data_parallel_size, plan.tensor_parallel_size,
-        plan.pipeline_parallel_size, plan.pipeline_microbatches if plan.pipeline_parallel_size > 1 else None,
+        model.plain_network, module_step_loss(model, plan.sequence_length), plan.micro_batch_size,
+        plan.precision.name, strategy, plan.data_parallel_shard_size if sharded else plan.data_parallel_size,
+        plan.tensor_parallel_size, plan.pipeline_parallel_size,
+        plan.pipeline_microbatches if plan.pipeline_parallel_size > 1 else None,
         activation_checkpointing=bool(model.hparams.get("activation_checkpointing") or fsdp_checkpointing),
-        device_type="cuda" if on_gpu else "cpu",
+        device_type="cuda" if on_gpu else "cpu", unsharded_gradients=held_whole,
     )
     if config.device_memory is not None:
         size = parse_memory_size(config.device_memory)

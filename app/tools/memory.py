@@ -104,13 +104,16 @@ def estimate_memory(
     device_type: str = "cuda",
     blocks: Callable[[nn.Module], Sequence[nn.Module]] | None = None,
     advise: bool = True,
+    unsharded_gradients: bool = False,
 ) -> MemoryEstimate:
     """Per-device bytes of a training step with AdamW for the network ``build_network()`` (built on the meta
     device) whose loss ``step_loss(network, micro_batch_size)`` computes, under ``strategy`` ("single", "ddp" or
     "fsdp": parameters, gradients and optimizer state sharded over ``data_parallel_size``), tensor parallelism
     (the blocks' parameters and activations divided by its size, an approximation), ``pipeline_stages`` (blocks
     divided over them; 1F1B keeps up to that many pipeline micro-batches in flight on the first stage) and
-    activation checkpointing of every block. ``device_type`` "cuda" adds the GPU's fixed allowances and picks
+    activation checkpointing of every block. ``unsharded_gradients``: under "fsdp" with gradient accumulation
+    reduced once per optimizer step, each rank holds every gradient whole (float32 under mixed precision: FSDP2
+    accumulates in its reduce dtype) until the step's last micro-batch. ``device_type`` "cuda" adds the GPU's fixed allowances and picks
     autocast's CUDA op lists; "cpu" neither. With ``advise``, the estimate carries the totals of the changes that
     would shrink it most (see ``MemoryEstimate.describe``)."""
     if strategy not in STRATEGIES:
@@ -123,7 +126,8 @@ def estimate_memory(
     profile = profile_network(build_network, step_loss, micro_batch_size, precision, device_type, blocks)
     layout = dict(strategy=strategy, data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                   pipeline_stages=pipeline_stages, pipeline_microbatches=pipeline_microbatches,
-                  activation_checkpointing=activation_checkpointing, device_type=device_type)
+                  activation_checkpointing=activation_checkpointing, device_type=device_type,
+                  unsharded_gradients=unsharded_gradients and strategy == "fsdp")
     estimate = spread(profile, micro_batch_size, **layout)
     if not advise:
         return estimate
@@ -141,6 +145,9 @@ def estimate_memory(
     else:
         advice.append((f"FSDP over {2 * data_parallel_size} data-parallel ranks", spread(profile, micro_batch_size, **{
             **layout, "data_parallel_size": 2 * data_parallel_size}).total))
+    if layout["unsharded_gradients"]:
+        advice.append(("reduce_gradients_every_micro_batch", spread(profile, micro_batch_size, **{
+            **layout, "unsharded_gradients": False}).total))
     if precision_named(precision).name == "32-true":
         mixed = profile_network(build_network, step_loss, micro_batch_size, "bf16-mixed", device_type, blocks)
         advice.append(("bf16-mixed precision", spread(mixed, micro_batch_size, **layout).total))
@@ -158,6 +165,7 @@ def spread(
     pipeline_microbatches: int | None,
     activation_checkpointing: bool,
     device_type: str,
+    unsharded_gradients: bool = False,
 ) -> MemoryEstimate:
     """The arithmetic of a layout over a measured profile; activations scale linearly with the micro batch."""
     tp, stages = tensor_parallel_size, pipeline_stages
@@ -193,6 +201,10 @@ def spread(
         gathered = profile.other_parameters * compute_itemsize + 2 * largest_block * compute_itemsize
         parameter_bytes_each = profile.precision.parameter_dtype.itemsize
         other_parts.append(("FSDP gathered", int(gathered + largest_block * parameter_bytes_each)))
+        if unsharded_gradients:
+            local_whole = profile.other_parameters + sum(profile.block_parameters) / (tp * stages)
+            reduce_itemsize = 4 if profile.precision.autocast_dtype else profile.precision.parameter_dtype.itemsize
+            other_parts.append(("unsharded gradients under accumulation", int(local_whole * reduce_itemsize)))
     elif profile.weight_copy_bytes:
         share = (profile.other_parameters + sum(profile.block_parameters) / (tp * stages)) / profile.parameter_count
         other_parts.append(("weight copies", int(profile.weight_copy_bytes * share)))
