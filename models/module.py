@@ -216,6 +216,7 @@ class CohortModule(StepLoggedModule):
             compile=self.hparams.get("compile", False),
             autocast_dtype=self.run_plan.precision.autocast_dtype if self.run_plan is not None else None,
             keep_stage=keep_stage, pretrained=self.pretrained_weights(),
+            data_parallel_replicas=self.run_plan.data_parallel_replicate_size if self.run_plan is not None else 1,
         )
 
     @property

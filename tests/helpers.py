@@ -505,7 +505,7 @@ def local_and_whole(tensors: list[torch.Tensor]) -> list[int]:
 
 class ShardingRecord(Callback):
     """Records, per rank, into ``out_dir``/sharding_rank{R}.json: each training micro-batch's gradient and weight
-    collectives on the device mesh's dimensions (app/tools/comm.py CollectiveCounter) as [batch index, operation,
+    collectives on the dimensions of FSDP2's mesh (app/tools/comm.py CollectiveCounter) as [batch index, operation,
     dimension, bytes], and the bytes of the parameters, gradients (at the last optimizer step) and optimizer state
     this rank holds (its local shards) and those of the whole of each (what DDP holds on every rank)."""
 
@@ -517,9 +517,8 @@ class ShardingRecord(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from app.tools.comm import CollectiveCounter
 
-        mesh = trainer.strategy.device_mesh
-        names = dict.fromkeys([*mesh.mesh_dim_names, "data_parallel"])
-        self.counter = CollectiveCounter({mesh[name].get_group(): name for name in names}).__enter__()
+        mesh = next(pl_module.parameters()).device_mesh  # FSDP2's: (data_parallel) or under HSDP 2-D
+        self.counter = CollectiveCounter({mesh.get_group(name): name for name in mesh.mesh_dim_names}).__enter__()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         self.batch_idx = batch_idx

@@ -13,9 +13,13 @@ DDP, resharded by torch.distributed.checkpoint under the others). So each kind r
 and every layout both writes and resumes. A layout resuming its own kind is tested elsewhere, bitwise after SIGKILL
 (test_training, test_sharding, test_pipeline), but for TP shards.
 
+After the circuit, hybrid sharding (HSDP-2x2: 2 replicas x 2 shards on 4 processes) resumes the last file, one run
+more: its checkpoint (shards written once, not once per replica) is read back whole for the weights' check.
+
 Every layout runs COMPARABLE_RUN's global batch of 8 in micro-batches of 4 (two after each other on one
-data-parallel rank: one process, TP-2, PP-2; one on each of two: DDP-2, FSDP2-2), so the sample stream, a function
-of the global step (datamodules/samplers.py), goes on from the checkpoint's step whatever the layout.
+data-parallel rank: one process, TP-2, PP-2; one on each of two: DDP-2, FSDP2-2), HSDP-2x2 in micro-batches of 2
+(one on each of its 4 data-parallel ranks), so the sample stream, a function of the global step
+(datamodules/samplers.py), goes on from the checkpoint's step whatever the layout.
 
 Each run of the chain is checked three ways:
 - what it restored, written before its step (tests.helpers.SaveRestoredCheckpoint), is bitwise the checkpoint it
@@ -38,11 +42,13 @@ import pytest
 
 from tests.helpers import (
     DDP_2,
+    HYBRID_SHARDED,
     MODEL_PARALLEL,
     PIPELINE,
     TENSOR_PARALLEL,
     assert_checkpoint_weights_agree,
     assert_restored_exactly,
+    batch_sizes,
     checkpoint_contents,
     fit,
     fit_in_process,
@@ -54,12 +60,14 @@ from tests.helpers import (
 pytestmark = pytest.mark.slow
 
 # one process is comparable_run_args as they are (one CPU device)
-LAYOUTS = {"1 process": [], "DDP-2": DDP_2, "FSDP2-2": MODEL_PARALLEL, "TP-2": TENSOR_PARALLEL, "PP-2": PIPELINE}
+LAYOUTS = {"1 process": [], "DDP-2": DDP_2, "FSDP2-2": MODEL_PARALLEL, "TP-2": TENSOR_PARALLEL, "PP-2": PIPELINE,
+           "HSDP-2x2": [*HYBRID_SHARDED, *batch_sizes(8, 2)]}
 CHECKPOINT_KIND = {"1 process": "file", "DDP-2": "file", "FSDP2-2": "FSDP2 shards", "TP-2": "TP shards",
-                   "PP-2": "pipeline stages"}
+                   "PP-2": "pipeline stages", "HSDP-2x2": "HSDP shards"}
 # the layout of each optimizer step, from step 1 (the uninterrupted run's); each later one resumes the one before
-ROUTE = ["1 process", "FSDP2-2", "TP-2", "PP-2", "DDP-2", "TP-2", "FSDP2-2", "PP-2", "TP-2", "1 process", "PP-2",
-         "FSDP2-2", "1 process"]
+CIRCUIT = ["1 process", "FSDP2-2", "TP-2", "PP-2", "DDP-2", "TP-2", "FSDP2-2", "PP-2", "TP-2", "1 process", "PP-2",
+           "FSDP2-2", "1 process"]
+ROUTE = [*CIRCUIT, "HSDP-2x2"]
 STEPS = len(ROUTE)
 RESUMED_STEPS = range(2, STEPS + 1)
 
@@ -99,11 +107,12 @@ def resumed(tmp_path_factory: pytest.TempPathFactory, comparable_run_args: list[
 
 
 def test_the_route_resumes_each_kind_of_checkpoint_into_each_other_kind() -> None:
-    pairs = [(CHECKPOINT_KIND[source], CHECKPOINT_KIND[target]) for source, target in pairwise(ROUTE)]
-    kinds = set(CHECKPOINT_KIND.values())
+    pairs = [(CHECKPOINT_KIND[source], CHECKPOINT_KIND[target]) for source, target in pairwise(CIRCUIT)]
+    kinds = {CHECKPOINT_KIND[layout] for layout in CIRCUIT}
     assert len(set(pairs)) == len(pairs)  # each pair once
     assert set(pairs) == {(source, target) for source in kinds for target in kinds if source != target}
-    assert set(ROUTE[:-1]) == set(ROUTE[1:]) == set(LAYOUTS)  # every layout writes a checkpoint and resumes one
+    assert set(CIRCUIT[:-1]) == set(CIRCUIT[1:]) == set(LAYOUTS) - {"HSDP-2x2"}  # each writes and resumes one
+    assert ROUTE[-2:] == ["1 process", "HSDP-2x2"]  # then HSDP resumes a file
 
 
 @pytest.mark.parametrize("step", RESUMED_STEPS, ids=[f"step{step}-{ROUTE[step - 2]}-to-{ROUTE[step - 1]}".replace(

@@ -1,11 +1,12 @@
 """Hybrid sharded data parallel (HSDP): Lightning's ModelParallelStrategy shards over every data-parallel rank
-(Lightning-AI/pytorch-lightning#21059 asks for more), so Cohort adds one mesh dimension. The data-parallel ranks
+(Lightning-AI/pytorch-lightning#21059 asks for more), so Cohort adds a replicate size. The data-parallel ranks
 form a (data_parallel_replicate, data_parallel_shard) grid: FSDP2 shards each parameter over the ranks of one
 replica (within a node, where the all-gathers and reduce-scatters of every layer are fast) and all-reduces the
 gradient shards across the replicas (over the slower network, once per optimizer step), as torchtitan's
-dp_replicate x dp_shard. The two dimensions, flattened, are still the mesh's "data_parallel" dimension, in the same
-rank order (data-parallel rank = replica x shard size + shard), so the samplers, the run plan and everything else
-that reads the data-parallel ranks see one data-parallel dimension of replicate x shard ranks."""
+dp_replicate x dp_shard. The strategy's mesh stays ModelParallelStrategy's (data_parallel, tensor_parallel), so
+the samplers, the run plan and everything that reads the data-parallel ranks see them as before (data-parallel rank
+= replica x shard size + shard); models/parallel/parallelize.py unflattens its data_parallel dimension into the
+grid for FSDP2, from the run plan, which holds both settings (app/cli/run_plan_resolution.py reads them here)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,12 @@ from datetime import timedelta
 from typing import Literal
 
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from torch.distributed.constants import default_pg_timeout
-from torch.distributed.device_mesh import init_device_mesh
-
-from core.errors import UserError
-
-MESH_DIMENSIONS = ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel")
 
 
 class HybridShardedStrategy(ModelParallelStrategy):
-    """ModelParallelStrategy over a (data_parallel_replicate, data_parallel_shard, tensor_parallel) device mesh, with
-    the first two flattened into "data_parallel": FSDP2 on the 2-D (replicate, shard) mesh where the replicate size
-    is over 1 (models/parallel/parallelize.py), else as under ModelParallelStrategy."""
+    """ModelParallelStrategy with FSDP2 over data_parallel_replicate_size replicas of data_parallel_size /
+    data_parallel_replicate_size shards each, and the choice of gradient collectives under accumulation."""
 
     def __init__(
         self,
@@ -55,21 +49,3 @@ class HybridShardedStrategy(ModelParallelStrategy):
                          process_group_backend, timeout)
         self.data_parallel_replicate_size = data_parallel_replicate_size
         self.reduce_gradients_every_micro_batch = reduce_gradients_every_micro_batch
-
-    def setup_environment(self) -> None:
-        """As ModelParallelStrategy's, with the 3-D mesh in place of its 2-D one (built once: each dimension is a
-        process group every rank must create)."""
-        ParallelStrategy.setup_environment(self)  # the device; ModelParallelStrategy's own would build its mesh
-        self._setup_distributed()
-        if self._data_parallel_size == "auto":
-            self._data_parallel_size = self.num_nodes
-        if self._tensor_parallel_size == "auto":
-            self._tensor_parallel_size = self.num_processes
-        replicate = self.data_parallel_replicate_size
-        sizes = (replicate, self._data_parallel_size // replicate, self._tensor_parallel_size)
-        if sizes[0] * sizes[1] * sizes[2] != self.world_size:  # the pre-flight checks say so first, in config terms
-            raise UserError(f"data-parallel replicate x shard x tensor-parallel sizes {sizes} do not multiply to the "
-                            f"world size {self.world_size}")
-        self._device_mesh = init_device_mesh(self.root_device.type, sizes, mesh_dim_names=MESH_DIMENSIONS)
-        self._device_mesh[MESH_DIMENSIONS[:2]]._flatten("data_parallel")  # the samplers' and checks' dimension
-        self.lightning_module._device_mesh = self._device_mesh  # as ModelParallelStrategy: configure_model reads it

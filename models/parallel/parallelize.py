@@ -49,10 +49,12 @@ def build_network(
     autocast_dtype: torch.dtype | None = None,
     keep_stage: Callable[[nn.Module], None] | None = None,
     pretrained: Callable[[str], torch.Tensor] | None = None,
+    data_parallel_replicas: int = 1,
 ) -> nn.Module:
     """``make_network()`` on ``device``, parallelised over ``device_mesh`` (dims "data_parallel" and
-    "tensor_parallel", and under hybrid sharding "data_parallel_replicate" and "data_parallel_shard") if given, and initialised from ``seed``. ``autocast_dtype`` (mixed precision's) is the dtype
-    FSDP2 gathers the weights in, except in a network with batch norms, whose float32 running statistics cannot meet
+    "tensor_parallel") if given, with FSDP2 over ``data_parallel_replicas`` replicas of the data-parallel ranks
+    (``fsdp_mesh``), and initialised from ``seed``. ``autocast_dtype`` (mixed precision's) is the dtype FSDP2 gathers
+    the weights in, except in a network with batch norms, whose float32 running statistics cannot meet
     half-precision weights (autocast then runs its convolutions in half precision, as under DDP). ``keep_stage``
     removes what other pipeline stages hold, so that only this rank's stage is built. ``pretrained`` reads each
     parameter's full tensor by name (the family's Hugging Face adapter, models/interchange.py) instead of
@@ -72,7 +74,8 @@ def build_network(
         # a pipeline runs each stage's forward once per pipeline micro-batch: gathering the shards again each time
         # would cost more than keeping them (torchtitan does the same)
         batch_norms = any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in network.modules())
-        apply_fsdp(network, block_list, fsdp_mesh(device_mesh), None if batch_norms else autocast_dtype,
+        apply_fsdp(network, block_list, fsdp_mesh(device_mesh, data_parallel_replicas),
+                   None if batch_norms else autocast_dtype,
                    reshard_after_forward=keep_stage is None)
     materialize(network, device)
     if pretrained is not None:
@@ -95,14 +98,19 @@ def shards_data_parallel(device_mesh: DeviceMesh | None, pipeline_stage: bool) -
     return not (pipeline_stage and alone)
 
 
-def fsdp_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP2 shards over: under hybrid sharding (app/strategies/hybrid_sharding.py, a replicate size over
-    1) the 2-D (data_parallel_replicate, data_parallel_shard) one, on which fully_shard shards along the second
-    dimension and all-reduces the gradient shards along the first (HSDP); else the 1-D data-parallel one."""
-    names = device_mesh.mesh_dim_names or ()
-    if "data_parallel_replicate" in names and device_mesh["data_parallel_replicate"].size() > 1:
-        return device_mesh["data_parallel_replicate", "data_parallel_shard"]
-    return device_mesh["data_parallel"]
+def fsdp_mesh(device_mesh: DeviceMesh, replicas: int = 1) -> DeviceMesh:
+    """The mesh FSDP2 shards over: the data-parallel dimension of ``device_mesh``, or with ``replicas`` over 1 (hybrid
+    sharding, app/strategies/hybrid_sharding.py) that dimension unflattened row-major into a 2-D
+    (data_parallel_replicate, data_parallel_shard) mesh, on which fully_shard shards along the second dimension and
+    all-reduces the gradient shards along the first (HSDP). Unflattening keeps the root mesh that tensor
+    parallelism's dimension slices, so the two compose; it makes the two dimensions' process groups, a collective
+    call every rank makes here."""
+    if replicas == 1:
+        return device_mesh["data_parallel"]
+    shards = device_mesh["data_parallel"].size() // replicas
+    grid = device_mesh._unflatten("data_parallel", (replicas, shards),
+                                  ("data_parallel_replicate", "data_parallel_shard"))
+    return grid["data_parallel_replicate", "data_parallel_shard"]
 
 
 def repeated_blocks(network: nn.Module) -> list[nn.Module]:
