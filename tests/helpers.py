@@ -511,7 +511,6 @@ class ShardingRecord(Callback):
 
     def __init__(self, out_dir: str) -> None:
         self.out_dir = Path(out_dir)
-        self.batch_idx = -1
         self.counted: list[list[Any]] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -521,7 +520,6 @@ class ShardingRecord(Callback):
         self.counter = CollectiveCounter({mesh.get_group(name): name for name in mesh.mesh_dim_names}).__enter__()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        self.batch_idx = batch_idx
         self.counter.calls.clear()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,

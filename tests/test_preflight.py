@@ -105,11 +105,12 @@ def test_hybrid_sharding_splits_the_data_parallel_ranks_into_replicas_of_shards(
     assert [resolved.data_parallel_rank(rank) for rank in range(4)] == [0, 1, 2, 3]
     assert ("global batch 16 = micro batch 2 x 4 data-parallel ranks (2 replicas x 2 shards) x 2 accumulation steps"
             in resolved.describe())
-    with pytest.raises(UserError, match="data_parallel_replicate_size=3 must be at least 1 and divide "
-                                        "data_parallel_size=4") as error:
-        check_config(DoctorCLI([*debug_run_args, *hsdp, "--trainer.strategy.init_args.data_parallel_replicate_size",
-                                "3"]).config)
-    assert "\n" not in str(error.value)
+    for replicas in ("3", "0"):
+        with pytest.raises(UserError, match=f"data_parallel_replicate_size={replicas} must be at least 1 and divide "
+                                            "data_parallel_size=4") as error:
+            check_config(DoctorCLI([*debug_run_args, *hsdp,
+                                    "--trainer.strategy.init_args.data_parallel_replicate_size", replicas]).config)
+        assert "\n" not in str(error.value)
     model_parallel = ["-c", str(REPO_ROOT / "configs/trainer/model_parallel_cpu.yaml")]
     assert check_config(DoctorCLI([*debug_run_args, *model_parallel]).config).data_parallel_replicate_size == 1
     assert "unknown option trainer.strategy.data_parallel_replicate_size" in one_line_error(

@@ -41,8 +41,8 @@ class HybridShardedStrategy(ModelParallelStrategy):
             reduce_gradients_every_micro_batch: under gradient accumulation, reduce-scatter each micro-batch's
                 gradients (each rank holds only its shard of them: less memory, one reduce-scatter per micro-batch);
                 false: keep the unsharded gradients until the step's last micro-batch and reduce once. Across replicas
-                the gradients are all-reduced once per optimizer step either way. Read through the run plan
-                (core/run_plan.py), which the model acts on (models/module.py).
+                the gradients are all-reduced once per optimizer step either way. Read into the run plan
+                (core/run_plan.py), which models/parallel/parallelize.py choose_gradient_reduction acts on.
             save_distributed_checkpoint, process_group_backend, timeout: as ModelParallelStrategy's.
         """
         super().__init__(data_parallel_size, tensor_parallel_size, save_distributed_checkpoint,

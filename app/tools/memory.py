@@ -113,8 +113,8 @@ def estimate_memory(
     divided over them; 1F1B keeps up to that many pipeline micro-batches in flight on the first stage) and
     activation checkpointing of every block. ``unsharded_gradients``: under "fsdp" with gradient accumulation
     reduced once per optimizer step, each rank holds every gradient whole (float32 under mixed precision: FSDP2
-    accumulates in its reduce dtype) until the step's last micro-batch. ``device_type`` "cuda" adds the GPU's fixed allowances and picks
-    autocast's CUDA op lists; "cpu" neither. With ``advise``, the estimate carries the totals of the changes that
+    accumulates in its reduce dtype) until the step's last micro-batch. ``device_type`` "cuda" adds the GPU's
+    fixed allowances and picks autocast's CUDA op lists; "cpu" neither. With ``advise``, the estimate carries the totals of the changes that
     would shrink it most (see ``MemoryEstimate.describe``)."""
     if strategy not in STRATEGIES:
         raise UserError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
