@@ -16,6 +16,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from torch.distributed import _serialization, distributed_c10d
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 # (owner, attribute, who uses it and why)
@@ -32,6 +33,8 @@ PRIVATE_METHODS = [
     (load, "_load_distributed_checkpoint",
      "app/safety/checkpoint_reading.py load_sharded_checkpoint: shards as full tensors"),
     (torch, "_foreach_mul_", "models/parallel/parallelize.py: scale every mesh's gradients in one call when clipping"),
+    (DeviceMesh, "_unflatten", "models/parallel/parallelize.py fsdp_mesh: HSDP's (replicate, shard) grid of the "
+     "data-parallel ranks, on the root mesh tensor parallelism slices (slicing a _flatten-ed one is deprecated)"),
     (powerSGD_hook, "_should_compress", "app/strategies/gradient_compression.py factor_slots: each Q factor's slot"),
     (_serialization, "_streaming_load", "fault_tolerance/strategy.py: a peer's state read weights-only"),
     (SingleDeviceStrategy, "_configure_launcher", "fault_tolerance/strategy.py: cohort fit starts the replica groups"),
