@@ -21,7 +21,7 @@
 # RUN_ID:
 #   START_LIGHTHOUSE=1 REPLICA_GROUP=0 LIGHTHOUSE=http://node0:29510 RUN_ID=job7 scripts/torchrun.sh fit ...  # node0
 #   REPLICA_GROUP=1 LIGHTHOUSE=http://node0:29510 RUN_ID=job7 scripts/torchrun.sh fit ...                     # node1
-#   START_LIGHTHOUSE=1 LIGHTHOUSE=http://node0:29510 scripts/torchrun.sh   # or: lighthouse and store alone, until stopped
+#   START_LIGHTHOUSE=1 LIGHTHOUSE=http://node0:29510 scripts/torchrun.sh  # or: the lighthouse and store alone
 # REPLICA_GROUP    this machine's replica group, 0 .. replica_groups-1
 # LIGHTHOUSE       http://host:port of the job's torchft lighthouse, reachable from every group
 # JOB_STORE        host:port of the job's store (torch's TCPStore), where the groups wait for each other at the start
@@ -72,7 +72,7 @@ if [[ -n "${REPLICA_GROUP:-}${START_LIGHTHOUSE:-}" ]]; then
   : "${LIGHTHOUSE:?REPLICA_GROUP and START_LIGHTHOUSE need LIGHTHOUSE=http://host:port of the torchft lighthouse}"
   lighthouse_address=${LIGHTHOUSE#*://}  # host:port
   job_store=${JOB_STORE:-${lighthouse_address%:*}:$(( ${lighthouse_address##*:} + 1 ))}
-  export RUST_LOG=${RUST_LOG:-warn}  # torchft's own log (the lighthouse's, each group's): a few lines per step otherwise
+  export RUST_LOG=${RUST_LOG:-warn}  # torchft's own log (lighthouse, groups): a few lines per step otherwise
 fi
 if [[ -n "${REPLICA_GROUP:-}" ]]; then
   command=(env COHORT_REPLICA_GROUP="$REPLICA_GROUP" TORCHFT_LIGHTHOUSE="$LIGHTHOUSE" COHORT_JOB_STORE="$job_store"
