@@ -17,15 +17,23 @@
 # The trainer config must agree: trainer.num_nodes = NNODES and trainer.devices = NPROC_PER_NODE.
 #
 # Fault-tolerant replica groups (configs/trainer/fault_tolerant_*.yaml) on several machines: one machine per group,
-# each its own torchrun job (NNODES=1), all sharing one lighthouse and one RUN_ID:
+# each its own torchrun job (NNODES=1, NPROC_PER_NODE processes), all sharing one lighthouse, one job store and one
+# RUN_ID:
 #   START_LIGHTHOUSE=1 REPLICA_GROUP=0 LIGHTHOUSE=http://node0:29510 RUN_ID=job7 scripts/torchrun.sh fit ...  # node0
 #   REPLICA_GROUP=1 LIGHTHOUSE=http://node0:29510 RUN_ID=job7 scripts/torchrun.sh fit ...                     # node1
+#   START_LIGHTHOUSE=1 LIGHTHOUSE=http://node0:29510 scripts/torchrun.sh  # or: the lighthouse and store alone
 # REPLICA_GROUP    this machine's replica group, 0 .. replica_groups-1
 # LIGHTHOUSE       http://host:port of the job's torchft lighthouse, reachable from every group
-# START_LIGHTHOUSE 1: start the lighthouse here first (on one machine only), on LIGHTHOUSE's port, with
-#                  MIN_REPLICAS (1) groups per step; it stops when this machine's torchrun ends
-# Each group writes into lightning_logs/version_$RUN_ID/replica_group_G. Start the groups together: the first steps
-# are taken by the groups already up (cohort fit on one machine waits for all of them).
+# JOB_STORE        host:port of the job's store (torch's TCPStore), where the groups wait for each other at the start
+#                  and mark the job finished, so that a group restarted after that ends (exit 0) instead of training
+#                  alone (default: LIGHTHOUSE's host, its port + 1)
+# START_LIGHTHOUSE 1: start the lighthouse, with MIN_REPLICAS (1) groups per step, and the job store here first, on
+#                  LIGHTHOUSE's and JOB_STORE's ports (on one machine only). With REPLICA_GROUP they stop when this
+#                  machine's torchrun ends; a group restarted after that finds neither and fails. Without
+#                  REPLICA_GROUP and arguments they serve until stopped (SIGTERM, Ctrl-C): one job each, as
+#                  scripts/slurm/fault_tolerant.sbatch runs them, outliving any group.
+# Each group writes into lightning_logs/version_$RUN_ID/replica_group_G. The groups wait for each other at the start
+# (for the config's replica_groups, within its timeout); a group restarted later takes a live group's state.
 # On clusters whose hostname resolves to 127.0.0.1, set LOCAL_ADDR, and NCCL_SOCKET_IFNAME (GPUs) or
 # GLOO_SOCKET_IFNAME (CPUs) to the interface that carries it, or other nodes are told to connect to loopback.
 set -euo pipefail
@@ -60,26 +68,42 @@ command=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 TORCH_NCCL_ASYNC_ERROR_HANDLIN
   --rdzv_backend=c10d --rdzv_endpoint="$master_addr:$master_port" --rdzv_id="$run_id" --rdzv_conf=is_host="$is_host"
   ${LOCAL_ADDR:+--local_addr="$LOCAL_ADDR"} -m app "$@")
 
+if [[ -n "${REPLICA_GROUP:-}${START_LIGHTHOUSE:-}" ]]; then
+  : "${LIGHTHOUSE:?REPLICA_GROUP and START_LIGHTHOUSE need LIGHTHOUSE=http://host:port of the torchft lighthouse}"
+  lighthouse_address=${LIGHTHOUSE#*://}  # host:port
+  job_store=${JOB_STORE:-${lighthouse_address%:*}:$(( ${lighthouse_address##*:} + 1 ))}
+  export RUST_LOG=${RUST_LOG:-warn}  # torchft's own log (lighthouse, groups): a few lines per step otherwise
+fi
 if [[ -n "${REPLICA_GROUP:-}" ]]; then
-  : "${LIGHTHOUSE:?REPLICA_GROUP needs LIGHTHOUSE=http://host:port of the torchft lighthouse of the job}"
-  command=(env COHORT_REPLICA_GROUP="$REPLICA_GROUP" TORCHFT_LIGHTHOUSE="$LIGHTHOUSE"
+  command=(env COHORT_REPLICA_GROUP="$REPLICA_GROUP" TORCHFT_LIGHTHOUSE="$LIGHTHOUSE" COHORT_JOB_STORE="$job_store"
     COHORT_RUN_VERSION="version_$run_id" "${command[@]}")
+elif [[ -n "${START_LIGHTHOUSE:-}" && $# -eq 0 ]]; then
+  command=()  # the lighthouse and the job store alone
 fi
 lighthouse=()
+store=()
 if [[ -n "${START_LIGHTHOUSE:-}" ]]; then
-  : "${LIGHTHOUSE:?START_LIGHTHOUSE needs LIGHTHOUSE=http://host:port, whose port it listens on}"
-  lighthouse=(torchft_lighthouse --min_replicas "${MIN_REPLICAS:-1}" --bind "[::]:${LIGHTHOUSE##*:}")
+  lighthouse=(torchft_lighthouse --min_replicas "${MIN_REPLICAS:-1}" --bind "[::]:${lighthouse_address##*:}")
+  # the job store: torch's own TCPStore server, open until stopped
+  store=(python -c 'import signal, sys, torch.distributed as dist
+store = dist.TCPStore("0.0.0.0", int(sys.argv[1]), is_master=True, wait_for_workers=False)
+signal.pause()' "${job_store##*:}")
 fi
 
 if [[ -n "${DRY_RUN:-}" ]]; then
-  if [[ ${#lighthouse[@]} -gt 0 ]]; then printf '%q ' "${lighthouse[@]}"; echo "&"; fi
-  printf '%q ' "${command[@]}"
-  echo
+  if [[ ${#lighthouse[@]} -gt 0 ]]; then
+    printf '%q ' "${lighthouse[@]}"; echo "&"
+    printf '%q ' "${store[@]}"; echo "&"
+  fi
+  if [[ ${#command[@]} -gt 0 ]]; then printf '%q ' "${command[@]}"; echo; fi
 elif [[ ${#lighthouse[@]} -gt 0 ]]; then
   "${lighthouse[@]}" &
   lighthouse_pid=$!
-  trap 'kill "$lighthouse_pid" 2>/dev/null' EXIT
-  "${command[@]}"
+  "${store[@]}" &
+  store_pid=$!
+  trap 'kill "$lighthouse_pid" "$store_pid" 2>/dev/null' EXIT
+  trap 'exit 143' TERM  # stopped: the EXIT trap stops the lighthouse and the store
+  if [[ ${#command[@]} -gt 0 ]]; then "${command[@]}"; else wait; fi
 else
   exec "${command[@]}"
 fi

@@ -35,6 +35,7 @@ from app.safety import checkpoint_writing
 from app.safety.checkpoint_reading import consolidate
 from app.safety.launch_environment import torchrun_restart
 from app.safety.preemption import preemption_callback
+from app.strategies.fault_tolerance.job import JOB_FINISHED, job_store
 from tests.processes import REPO_ROOT, run_cohort
 
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -755,6 +756,19 @@ class RejoinMidRun(Callback):
             self.went_on.touch()
         if trainer.global_step == self.step:
             wait_until(self.restarted.exists, f"{self.restarted.name} in {self.restarted.parent}")
+
+
+class RestartAfterJobFinished(Callback):
+    """Brings a killed replica group back only once another group has marked the job finished in the job store, so
+    that it finds itself alone after the end whatever the machine's speed."""
+
+    def __init__(self, group: int) -> None:
+        self.group = group
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if os.environ.get("COHORT_REPLICA_GROUP") == str(self.group) and torchrun_restart() > 0:
+            store = job_store(timedelta(seconds=30))
+            wait_until(lambda: store.check([JOB_FINISHED]), f"{JOB_FINISHED} in the job store")
 
 
 def wait_until(condition: Callable[[], bool], what: str) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import (
     DDP_2, ONE_STEP, QUIET, REPO_ROOT, assert_weights_equal, batch_sizes, free_port, last_checkpoint_weights,
@@ -201,30 +202,43 @@ def test_doctor_checks_the_pipeline_arithmetic(tmp_path: Path, byte_corpus: Path
     assert "pipeline_microbatches=3 does not divide data.micro_batch_size=16" in result.stdout
 
 
-def test_replica_groups_started_by_the_launch_script_train_together(tmp_path: Path, debug_run_args: list[str]) -> None:
+def test_replica_groups_started_by_the_launch_script_wait_for_each_other_and_end_with_the_job(
+        tmp_path: Path, debug_run_args: list[str]) -> None:
     """Two fault-tolerant groups, each its own torchrun job as on two machines, group 0's line starting the
-    lighthouse: both write into lightning_logs/version_$RUN_ID/replica_group_G and end with the same weights."""
-    lighthouse = f"http://127.0.0.1:{free_port()}"
+    lighthouse and the job store. Group 1, started first, waits in the store for group 0: both take the first steps
+    together. Group 0 dies at step 4 and comes back only once group 1 has trained to the end (step 6) and marked the
+    job finished: alone, it reads the mark and ends with exit 0, where it would fail without the store."""
+    job = {"LIGHTHOUSE": f"http://127.0.0.1:{free_port()}", "JOB_STORE": f"127.0.0.1:{free_port()}", "RUN_ID": "job7"}
     args = ["fit", *debug_run_args, *QUIET, "-c", str(REPO_ROOT / "configs/trainer/fault_tolerant_cpu.yaml"),
-            *batch_sizes(8, 4), "--trainer.max_steps", "6", "--trainer.limit_val_batches", "0"]
-    jobs = [launch(args, tmp_path, LIGHTHOUSE=lighthouse, REPLICA_GROUP=str(group), RUN_ID="job7",
-                   MASTER_PORT=str(free_port()), **({"START_LIGHTHOUSE": "1"} if group == 0 else {}))
-            for group in (1, 0)]  # group 1 first: it waits for the lighthouse that group 0's line starts
+            *batch_sizes(8, 4), "--trainer.max_steps", "6", "--trainer.limit_val_batches", "0",
+            "--trainer.callbacks+=tests.helpers.KillReplicaGroup", "--trainer.callbacks.group=0",
+            "--trainer.callbacks.step=4", "--trainer.callbacks+=tests.helpers.RestartAfterJobFinished",
+            "--trainer.callbacks.group=0"]
+    jobs = [launch(args, tmp_path, **job, REPLICA_GROUP=str(group), MASTER_PORT=str(free_port()),
+                   **({"START_LIGHTHOUSE": "1"} if group == 0 else {}))
+            for group in (1, 0)]  # group 1 first: it waits for the lighthouse and the store that group 0's line starts
     outputs = outputs_of(jobs, timeout=240)
     assert [job.returncode for job in jobs] == [0, 0], "\n".join(output[-3000:] for output in outputs)
-    finals = [torch.load(tmp_path / f"lightning_logs/version_job7/replica_group_{group}/checkpoints/last.ckpt",
-                         weights_only=True) for group in (0, 1)]
-    assert [final["global_step"] for final in finals] == [6, 6]
-    assert_weights_equal(finals[0]["state_dict"], finals[1]["state_dict"])
+    assert "replica group 0 restarted after the job had finished: nothing to train" in outputs[1], outputs[1][-3000:]
+    run = tmp_path / "lightning_logs/version_job7/replica_group_1"
+    assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 6
+    events = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    events.Reload()
+    quorum = [event.value for event in events.Scalars("fault_tolerance/quorum_size")]
+    assert quorum[:4] == [2.0] * 4 and quorum[-1] == 1.0, quorum  # together from the start, alone at the end
 
 
-def test_dry_run_prints_the_lighthouse_and_the_replica_groups_command() -> None:
+def test_dry_run_prints_the_lighthouse_the_job_store_and_the_replica_groups_command() -> None:
     env = {**os.environ, "DRY_RUN": "1", "START_LIGHTHOUSE": "1", "REPLICA_GROUP": "1",
            "LIGHTHOUSE": "http://node0:29510", "RUN_ID": "job7"}
     lines = subprocess.run([TORCHRUN, "fit"], env=env, capture_output=True, text=True, check=True).stdout.splitlines()
     assert lines[0].split() == ["torchft_lighthouse", "--min_replicas", "1", "--bind", r"\[::\]:29510", "&"]
-    assert lines[1].split()[:4] == ["env", "COHORT_REPLICA_GROUP=1", "TORCHFT_LIGHTHOUSE=http://node0:29510",
-                                    "COHORT_RUN_VERSION=version_job7"]
+    assert lines[1].startswith("python -c ") and lines[1].endswith(" 29511 &")  # the store: the next port
+    assert lines[2].split()[:5] == ["env", "COHORT_REPLICA_GROUP=1", "TORCHFT_LIGHTHOUSE=http://node0:29510",
+                                    "COHORT_JOB_STORE=node0:29511", "COHORT_RUN_VERSION=version_job7"]
+    alone = subprocess.run([TORCHRUN], env={**env, "REPLICA_GROUP": "", "JOB_STORE": "node0:7"}, capture_output=True,
+                           text=True, check=True).stdout.splitlines()
+    assert len(alone) == 2 and alone[1].endswith(" 7 &")  # no arguments: the lighthouse and the store alone
 
 
 def test_ctrl_c_under_torchrun_checkpoints_the_step_every_rank_reached(tmp_path: Path,

@@ -16,9 +16,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import (
-    DDP_2, QUIET, REPO_ROOT, assert_weights_equal, batch_sizes, fit, free_port, last_checkpoint_weights,
+    CONFIG_DIR, DDP_2, QUIET, REPO_ROOT, assert_weights_equal, batch_sizes, fit, free_port, last_checkpoint_weights,
 )
 
 pytestmark = [
@@ -28,6 +29,7 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="the test cluster runs its daemons as root"),
 ]
 SBATCH_SCRIPT = REPO_ROOT / "scripts" / "slurm" / "train.sbatch"
+FAULT_TOLERANT_SCRIPT = REPO_ROOT / "scripts" / "slurm" / "fault_tolerant.sbatch"
 
 
 
@@ -87,12 +89,14 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
                 daemon.wait()
 
 
-def submit(slurm: dict[str, str], workdir: Path, args: list[str]) -> str:
-    env = {**slurm, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore"}
+def submit(slurm: dict[str, str], workdir: Path, args: list[str], script: Path = SBATCH_SCRIPT, **env: str) -> str:
+    """sbatch SCRIPT ARGS from the repository's root (the fault-tolerant recipe runs its scripts/torchrun.sh), with
+    two tasks of one CPU on this cluster's one node and ``env`` added."""
+    env = {**slurm, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore", **env}
     result = subprocess.run(
-        ["sbatch", "--parsable", "--ntasks-per-node=2", "--cpus-per-task=1", "--mem=0", "--time=10",
-         f"--chdir={workdir}", f"--output={workdir}/slurm-%j.out", str(SBATCH_SCRIPT), *args],
-        env=env, capture_output=True, text=True, check=True,
+        ["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--mem=0", "--time=10",
+         f"--chdir={workdir}", f"--output={workdir}/slurm-%j.out", str(script), *args],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=True,
     )
     return result.stdout.strip().split(";")[0]
 
@@ -118,6 +122,24 @@ def test_sbatch_script_trains_with_two_tasks(slurm: dict[str, str], tmp_path: Pa
     assert "2 tasks" in log and "x 2 data-parallel ranks x" in log  # world size 2, from SLURM's environment
     assert list((tmp_path / "lightning_logs" / "version_0").glob("events.out.tfevents.*"))
     assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_fault_tolerant_recipe_trains_two_replica_groups(slurm: dict[str, str], tmp_path: Path,
+                                                        debug_run_args: list[str]) -> None:
+    """scripts/slurm/fault_tolerant.sbatch: the lighthouse and the job store beside the batch script, one srun step
+    per replica group (both on this node), each group training to the end in the job's folder, as one."""
+    args = [*debug_run_args, *QUIET, "-c", str(CONFIG_DIR / "trainer/fault_tolerant_cpu.yaml"), *batch_sizes(8, 4),
+            "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0"]
+    job_id = submit(slurm, tmp_path, args, script=FAULT_TOLERANT_SCRIPT, REPLICA_GROUPS="2",
+                    LIGHTHOUSE_PORT=str(free_port()), JOB_STORE=f"127.0.0.1:{free_port()}")
+    state = wait_until_finished(slurm, job_id, timeout=240)
+    log = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    assert "2 replica groups" in log and "replica groups' exit codes: 0 0" in log
+    finals = [torch.load(tmp_path / f"lightning_logs/version_{job_id}/replica_group_{group}/checkpoints/last.ckpt",
+                         weights_only=True) for group in (0, 1)]
+    assert [final["global_step"] for final in finals] == [3, 3]
+    assert_weights_equal(finals[0]["state_dict"], finals[1]["state_dict"])
 
 
 def test_preempted_job_requeues_and_resumes_to_the_same_weights(slurm: dict[str, str], tmp_path: Path,

@@ -38,7 +38,8 @@ LIGHTHOUSE_START_SECONDS = 30.0
 
 
 def job_store(timeout: timedelta) -> TCPStore | None:
-    """The store of the job ``cohort fit`` started; None for groups started otherwise (the launch scripts)."""
+    """The job's store at COHORT_JOB_STORE: the one ``cohort fit`` or scripts/torchrun.sh (beside the lighthouse)
+    started; None where the groups were given none."""
     address = os.environ.get(JOB_STORE_ENV)
     if address is None:
         return None
