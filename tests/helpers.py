@@ -689,8 +689,7 @@ class KillReplicaGroup(KillRank):
 class RejoinMidRun(Callback):
     """Brings a killed replica group back mid-run whatever the machine's speed, where a sleep per step had to outlast
     a restart: its restarted process waits until the other groups have trained a step without it, and they wait at
-    ``step`` until its restarted process is about to ask for its first quorum (its manager is up, and the lighthouse
-    then waits for it). Each side leaves a file in ``folder`` for the other."""
+    ``step`` until its restarted process has started. Each side leaves a file in ``folder`` for the other."""
 
     def __init__(self, folder: str, group: int, step: int) -> None:
         self.went_on = Path(folder) / f"went_on_without_group_{group}"
@@ -701,10 +700,7 @@ class RejoinMidRun(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if os.environ.get("COHORT_REPLICA_GROUP") == str(self.group) and torchrun_restart() > 0:
             wait_until(self.went_on.exists, f"{self.went_on.name} in {self.went_on.parent}")
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if os.environ.get("COHORT_REPLICA_GROUP") == str(self.group) and torchrun_restart() > 0:
-            self.restarted.touch()  # the strategy's setup has started its manager; the first batch asks for a quorum
+            self.restarted.touch()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if os.environ.get("COHORT_REPLICA_GROUP") == str(self.group):
