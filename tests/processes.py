@@ -12,6 +12,11 @@ copies of itself before it runs anything, and the launcher's subprocess.Popen ha
 spare instead, which becomes that rank: a child of the run, as Popen's would be, signalled and waited for alike.
 A run of more processes than spares starts the rest as fresh interpreters. What concerns the interpreter's own start
 (which modules a command imports) runs afresh: ``run_cohort(..., fresh_interpreter=True)``.
+
+Fault-tolerant jobs start one torchrun agent per replica group (app/strategies/fault_tolerance/job.py's Popen of
+``python -m torch.distributed.run``), and each agent its group's processes (``python -u -m app``, through torch's
+SubprocessHandler): a spare becomes the agent, and the agent hands its processes to spares of its own
+(SPARE_WORKERS, enough for a group's first attempt and one restart).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +46,10 @@ PRELOADED = ["app.cli.lightning_cli", "app.tools.comm", "app.tools.consolidate",
 FORKS = multiprocessing.get_context("forkserver")
 FORKS.set_forkserver_preload(PRELOADED)
 SPARE_RANKS = 3  # the further ranks of a run of up to 4 processes, the most any test starts on one machine
+SPARE_WORKERS = 4  # a torchrun agent's: a group of 2 processes, restarted once
+APP = [sys.executable, "-m", "app.__main__"]  # a further rank, as Lightning's launcher starts it
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # a replica group's agent, as the job starts it
+WORKER = [sys.executable, "-u", "-m", "app"]  # a process of a group, as torchrun's agent starts it
 
 
 def run_cohort(args: list[str], cwd: Path, timeout: float = 300,
@@ -107,26 +117,49 @@ def cohort_main(args: list[str], cwd: Path, env: dict[str, str], stdout: Path, s
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), stream)
     from lightning.pytorch.strategies.launchers import subprocess_script
 
-    subprocess_script.subprocess = SpareRanks(SPARE_RANKS)  # the launcher's only use of the module is its Popen
+    from app.strategies.fault_tolerance import job
+
+    spares = SpareRanks(SPARE_RANKS)
+    subprocess_script.subprocess = spares  # the launcher's only use of the module is its Popen
+    job.subprocess = spares  # the job's Popens: a group's torchrun (others, with more options, start as Popen would)
     become_cohort(args, cwd, env)
 
 
 def become_cohort(args: list[str], cwd: Path, env: dict[str, str]) -> None:
     """Run as ``python -m app ARGS`` started in ``cwd`` with ``env``, then exit with its exit status, as the
     interpreter would (a SystemExit's code or message, 1 and the traceback for an exception)."""
+    from app.__main__ import main
+
+    # Lightning's launcher restarts this command for each further rank from sys.argv and __main__'s module
+    sys.modules["__main__"].__spec__ = importlib.util.find_spec("app.__main__")
+    become(lambda: main(args), [str(REPO_ROOT / "app" / "__main__.py"), *args], cwd, env)
+
+
+def become_torchrun(args: list[str], cwd: Path, env: dict[str, str]) -> None:
+    """Run as ``python -m torch.distributed.run ARGS``, its workers handed to spares of this process."""
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    subprocess_handler.Popen = SpareRanks(SPARE_WORKERS).Popen  # the handler's only use of subprocess
+    become(lambda: torch.distributed.run.main(args), [torch.distributed.run.__file__, *args], cwd, env)
+
+
+def become(main: Callable[[], None], argv: list[str], cwd: Path, env: dict[str, str]) -> None:
+    """Run ``main`` as the interpreter would run a command line ``argv`` started in ``cwd`` with ``env``, then exit
+    with its exit status (a SystemExit's code or message, 1 and the traceback for an exception)."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    sys.argv = argv
     # what an interpreter reads from its environment once, at its start or at first use, read again
     warnings.simplefilter("ignore")  # PYTHONWARNINGS=ignore
     tempfile.tempdir = None  # TMPDIR
-    # Lightning's launcher restarts this command for each further rank from sys.argv and __main__'s module
-    sys.argv = [str(REPO_ROOT / "app" / "__main__.py"), *args]
-    sys.modules["__main__"].__spec__ = importlib.util.find_spec("app.__main__")
-    from app.__main__ import main
+    if "OMP_NUM_THREADS" in env:  # torch's intra-op threads, which torchrun and the fault-tolerant job set
+        import torch
 
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:
-        main(args)
+        main()
         status = 0
     except SystemExit as stop:
         status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
@@ -163,24 +196,36 @@ class SpareRanks:
     def __getattr__(self, name: str) -> Any:
         return getattr(subprocess, name)
 
-    def Popen(self, command: list[str], env: dict[str, str] | None = None, cwd: str | None = None,
+    def Popen(self, args: list[str], env: dict[str, str] | None = None, cwd: str | None = None,
               **options: Any) -> subprocess.Popen | SpareRank:  # noqa: N802 (subprocess's name)
-        if options or not self.spares or command[:3] != [sys.executable, "-m", "app.__main__"]:
-            return subprocess.Popen(command, env=env, cwd=cwd, **options)
+        command = list(args)
+        new_session = options.pop("start_new_session", False)
+        start = next((length for length in (3, 4) if command[:length] in (APP, TORCHRUN, WORKER)), None)
+        # a spare inherits this process's output: a command given other output, or other options, starts afresh
+        if any(value is not None for value in options.values()) or start is None or not self.spares:
+            return subprocess.Popen(command, env=env, cwd=cwd, start_new_session=new_session, **options)
         pid, pipe = self.spares.pop(0)
         with os.fdopen(pipe, "wb") as request:
-            pickle.dump((command[3:], cwd or os.getcwd(), dict(os.environ) if env is None else env), request)
+            pickle.dump((command[:start], command[start:], cwd or os.getcwd(),
+                         dict(os.environ) if env is None else env, new_session), request)
         return SpareRank(pid, command)
 
 
 def wait_to_become_a_rank(pipe: int) -> None:
-    """In a spare: wait for a rank's (ARGS, working folder, environment), then become ``python -m app.__main__
-    ARGS``; exit at once if the run ends without asking."""
+    """In a spare: wait for a command (its program, ARGS, working folder, environment, whether in a session of its
+    own), then become it; exit at once if the run ends without asking."""
     with os.fdopen(pipe, "rb") as requests:
         request = requests.read()
     if not request:
         os._exit(0)
-    become_cohort(*pickle.loads(request))
+    program, args, cwd, env, new_session = pickle.loads(request)
+    if new_session:
+        os.setsid()
+    if program == TORCHRUN:
+        become_torchrun(args, cwd, env)
+    if program == WORKER:  # -u: what it prints reaches the log even if it is killed
+        sys.stdout.reconfigure(line_buffering=True)
+    become_cohort(args, cwd, env)
 
 
 class SpareRank:

@@ -24,7 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from app.cli.argument_errors import UNIMPORTABLE, one_line
+from app.cli.argument_parser import CohortArgumentParser, replace_default_classes
 from app.cli.commands import DESCRIPTION, LIGHTNING_COMMANDS, describe
 from app.cli.preflight import Preflight, check_config, resolve_precision
 from app.cli.run_plan_resolution import accelerator_name
@@ -46,58 +46,20 @@ from core.errors import UserError
 from core.run_plan import RunPlan
 from core.seeding import DEFAULT_SEED
 from datamodules.base import ShardedDataModule
-from datamodules.images import ImageClassificationDataModule
 from datamodules.language_modeling import LanguageModelingDataModule
 from datamodules.own_datamodule import share_out_training_samples
 from models.class_paths import class_path_of, with_current_class_paths
 from models.module import DERIVED_FROM_DATA, CohortModule
-from models.registry import DEFAULT_FAMILY, FAMILIES, families_help
-
-
-class CohortArgumentParser(LightningArgumentParser):
-    """Lightning's parser, with one line instead of jsonargparse's usage or nested report for whatever it refuses
-    (app/cli/argument_errors.py), and a class_path that names no model family or datamodule named as such."""
-
-    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        if not self.exit_on_error:  # a parser jsonargparse made for a class's arguments: it catches this itself
-            super().error(message, ex)
-        key = re.match(r'Parser key "(model|data)"', message)
-        problem = re.search(r"class_path '([^']+)':\s*(.*?)\n\s*- Expected a <class 'NoneType'>", message, re.DOTALL)
-        if key and ("not correspond to a subclass" in message or (problem and UNIMPORTABLE.search(problem[2]))):
-            given = problem[1] if problem else message.rsplit("Given value:", 1)[-1].strip()
-            kind, known = {"model": ("model family", [family.module_class for family in FAMILIES]),
-                           "data": ("datamodule", DATAMODULES)}[key[1]]
-            raise UserError(f"{key[1]}.class_path {given!r} is not a {kind} Cohort can import: use one of "
-                            + ", ".join(class_path_of(cls) for cls in known))
-        raise UserError(one_line(self, message, ex))
-
-    def parse_string(self, content: str, *args: Any, **kwargs: Any) -> Namespace:
-        """jsonargparse's, for every config file and config string: the class paths it names that have moved since
-        it was written (models/class_paths.py) read as today's."""
-        return super().parse_string(with_current_class_paths(content), *args, **kwargs)
-
-    # "model", "data": where the config chose a class other than the default (GPT, LanguageModelingDataModule)
-    replaced_defaults: frozenset[str] = frozenset()
-
-    def get_defaults(self, skip_validation: bool = False, **kwargs: Any) -> Namespace:
-        """jsonargparse's defaults, less the default class's arguments where the config replaces that class: else a
-        class chosen instead would take the default class's values for the arguments of the same name (jsonargparse's
-        issue #460: a datamodule's own global_batch_size=16 would be LanguageModelingDataModule's 32). The values a
-        config gives are kept; the class chosen fills in its own defaults for the rest."""
-        defaults = super().get_defaults(skip_validation, **kwargs)
-        for key in self.replaced_defaults:
-            defaults[key] = Namespace(class_path=defaults[key].class_path)
-        return defaults
-
-
-# what the shipped configs name besides models/registry.py's families (a class of one's own that subclasses
-# LightningDataModule works too)
-DATAMODULES = (LanguageModelingDataModule, ImageClassificationDataModule)
+from models.registry import DEFAULT_FAMILY, families_help
 
 
 class CohortCLI(LightningCLI):
     run_plan: RunPlan  # resolved by the pre-flight checks, before anything is built
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
+        # a parser for the command named first only (each of the four takes a quarter of the start-up's parsing);
+        # all four for --help, a mistake, or options before the command
+        given = sys.argv[1:] if args is None else args
+        self.commands = given[:1] if given[:1] and given[0] in LIGHTNING_COMMANDS else list(LIGHTNING_COMMANDS)
         super().__init__(
             CohortModule,
             LightningDataModule,
@@ -130,7 +92,10 @@ class CohortCLI(LightningCLI):
         # allow_abbrev off: argparse would take --seed_everythin 3 as --seed_everything 3, a typo run without a word
         return {"prog": "cohort", "description": DESCRIPTION, "allow_abbrev": False,
                 **{command: {"description": f"{describe(command)} {families_help()}", "allow_abbrev": False}
-                   for command in LIGHTNING_COMMANDS}}
+                   for command in self.commands}}
+
+    def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]  (Lightning's is static: all four)
+        return {command: skip for command, skip in LightningCLI.subcommands().items() if command in self.commands}
 
     def add_default_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Lightning's ``--seed_everything``, but an integer only: ``true`` would draw a random seed that a resumed
@@ -282,14 +247,6 @@ class CohortCLI(LightningCLI):
         for callback in list(self.trainer.callbacks):
             if isinstance(callback, RankMonitor) and not callback.enabled:
                 self.trainer.callbacks.remove(callback)
-
-
-def replace_default_classes(parser: CohortArgumentParser, config: Namespace) -> bool:
-    """Whether the config chose a model family or datamodule other than the parser's default; where it did, the
-    parser parses it again without the default class's defaults (CohortArgumentParser.get_defaults)."""
-    parser.replaced_defaults = frozenset(key for key in ("model", "data")
-                                         if config[key].class_path != parser.get_default(key).class_path)
-    return bool(parser.replaced_defaults)
 
 
 def without_advertisements(record: logging.LogRecord) -> bool:
