@@ -38,7 +38,7 @@ def bert_run(byte_corpus: Path) -> list[str]:
             *COMPARABLE_RUN, "--trainer.max_steps", "6", "--checkpoint.every_n_train_steps", "3"]
 
 
-DIGITS_STEPS = 100  # 96-97 % validation accuracy on either layout; the recipe's 200 reach 98 %
+DIGITS_STEPS = 60  # 94.7 % validation accuracy on one process (96-97 % at 100); the recipe's 200 reach 98 %
 
 
 def digits_run(steps: int) -> list[str]:
@@ -230,7 +230,7 @@ def test_the_digits_classifier_reaches_the_same_accuracy_on_two_processes(digits
     """The same global batch of 64 on 1 process (2 micro-batches of 32) and on 2 (one each), augmented alike
     (tests/test_images.py): both learn the digits as well."""
     one, two = scalars(digits_runs["one"], "val/accuracy")[-1], scalars(digits_runs["two"], "val/accuracy")[-1]
-    assert one > 0.93 and two > 0.93, (one, two)
+    assert one > 0.92 and two > 0.92, (one, two)
     assert abs(one - two) < 0.03, (one, two)
 
 

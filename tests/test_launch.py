@@ -168,14 +168,18 @@ def test_a_restart_does_not_resume_a_checkpoint_older_than_the_job(tmp_path: Pat
 
 
 def test_doctor_passes_on_a_good_setup(tmp_path: Path, byte_corpus: Path) -> None:
-    job = launch(["doctor", "-c", str(REPO_ROOT / "configs/quickstart.yaml"),
-                  "-c", str(REPO_ROOT / "configs/trainer/ddp_cpu.yaml"), "--data.data_dir", str(byte_corpus)],
-                 tmp_path, NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
-    output = outputs_of([job], timeout=180)[0]
-    assert job.returncode == 0, output[-3000:]
+    """The two processes torchrun --nproc_per_node 2 starts, with the environment it gives each (the script that
+    starts torchrun is the other tests')."""
+    port = str(free_port())
+    results = run_cohorts([(["doctor", "-c", str(REPO_ROOT / "configs/quickstart.yaml"), "-c",
+                             str(REPO_ROOT / "configs/trainer/ddp_cpu.yaml"), "--data.data_dir", str(byte_corpus)],
+                            {"TORCHELASTIC_RUN_ID": "job", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                             "WORLD_SIZE": "2", "RANK": str(rank), "GROUP_RANK": "0", "LOCAL_RANK": str(rank),
+                             "LOCAL_WORLD_SIZE": "2"}) for rank in (0, 1)], tmp_path, timeout=180)
+    assert [result.returncode for result in results] == [0, 0], results[0].stdout[-3000:] + results[0].stderr[-3000:]
     for check in ("world size", "precision", "run plan", "folders", "barrier", "all-reduce 64 MB", "data loader",
                   "log disk"):
-        assert any(line.startswith("PASS") and check in line for line in output.splitlines()), check
+        assert any(line.startswith("PASS") and check in line for line in results[0].stdout.splitlines()), check
 
 
 def test_doctor_fails_when_slurm_tasks_do_not_match_the_config(tmp_path: Path, byte_corpus: Path) -> None:
