@@ -26,6 +26,7 @@ from tests.helpers import (
 from tests.processes import run_cohort
 
 FAULT_TOLERANT = ["-c", str(CONFIG_DIR / "trainer/fault_tolerant_cpu.yaml")]
+GROUPS_OF_TWO = ["-c", str(CONFIG_DIR / "trainer/fault_tolerant_groups_cpu.yaml")]  # 2 groups x 2 processes, FSDP2
 GROUPS = "--trainer.strategy.init_args.replica_groups"
 
 
@@ -49,6 +50,19 @@ def test_two_replica_groups_train_as_one_process_does(tmp_path: Path, comparable
     for group in range(2):
         assert_comparable_runs_agree(one_process_comparable_run, group_run(job, group))
         assert scalars(group_run(job, group), "fault_tolerance/quorum_size") == [2.0] * 4
+
+
+@pytest.mark.slow
+def test_two_groups_of_two_processes_train_as_one_process_does(tmp_path: Path, comparable_run_args: list[str],
+                                                               one_process_comparable_run: Path) -> None:
+    """Each group shards the model over its two processes (FSDP2) and reads half of every global batch, a quarter on
+    each process; process r averages its gradient shards with process r of the other group. The same steps as one
+    process reading the whole batch, up to the order of sums (assert_comparable_runs_agree's tolerances)."""
+    job = fit(tmp_path, [*comparable_run_args, *GROUPS_OF_TWO, *batch_sizes(8, 2)])
+    for group in range(2):
+        assert_comparable_runs_agree(one_process_comparable_run, group_run(job, group))
+        assert scalars(group_run(job, group), "fault_tolerance/quorum_size") == [2.0] * 4
+        assert scalars(group_run(job, group), "fault_tolerance/samples_per_group") == [4.0] * 4
 
 
 @pytest.mark.slow
