@@ -100,6 +100,35 @@ def test_a_killed_group_rejoins_with_a_live_groups_state(tmp_path: Path, debug_r
     assert validated and validated == scalars(group_run(job, 0), "val/loss")[-len(validated):], validated
 
 
+@pytest.mark.slow
+def test_a_process_killed_in_a_group_of_two_rejoins_with_its_peers_shards(tmp_path: Path,
+                                                                          debug_run_args: list[str]) -> None:
+    """Process 1 of group 1 (of 2 groups of 2 processes) dies at step 3; torchrun restarts the group, whose process r
+    takes process r's shards of group 0 (weights, optimizer state, step), while group 0 trains on alone, reading the
+    whole global batch. So every committed step is one process's step up to the order of sums, and both groups end
+    with the same weights, bitwise, exiting 0. Group 0 holds at step 8 until group 1's new processes have started
+    (tests.helpers.RejoinMidRun), whatever the machine's speed."""
+    steps = 12
+    run = [*debug_run_args, "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",
+           "--trainer.gradient_clip_val", str(CLIP)]
+    job = fit(tmp_path / "job", [*run, *GROUPS_OF_TWO, *batch_sizes(8, 2),
+                                 "--trainer.callbacks+=tests.helpers.KillReplicaGroup", "--trainer.callbacks.group=1",
+                                 "--trainer.callbacks.step=3", "--trainer.callbacks.rank=1",
+                                 "--trainer.callbacks+=tests.helpers.RejoinMidRun", f"--trainer.callbacks.folder={tmp_path}",
+                                 "--trainer.callbacks.group=1", "--trainer.callbacks.step=8"])
+    one_process = fit_in_process(tmp_path / "one_process", [*run, *batch_sizes(8, 4)])
+    finals = [last_checkpoint_contents(group_run(job, group)) for group in range(2)]
+    assert [final["global_step"] for final in finals] == [steps] * 2
+    assert_weights_equal(finals[0]["state_dict"], finals[1]["state_dict"])
+    assert scalars(group_run(job, 1), "fault_tolerance/recoveries")[-1] == 1.0
+    quorum = scalars(group_run(job, 0), "fault_tolerance/quorum_size")
+    assert quorum[0] == 2.0 and 1.0 in quorum and quorum[-1] == 2.0, quorum  # alone while group 1 was down
+    norms = last_value_per_step(group_run(job, 0), "train/grad_norm")  # a step that did not commit is logged again
+    expected = last_value_per_step(one_process, "train/grad_norm")
+    assert norms.keys() == expected.keys() and list(norms.values()) == pytest.approx(list(expected.values()), rel=1e-4)
+    assert_weights_agree(one_process, group_run(job, 0))
+
+
 def last_value_per_step(run_dir: Path, tag: str) -> dict[int, float]:
     """{step: the last value logged at it}, in step order, from a run's TensorBoard events."""
     events = EventAccumulator(str(run_dir / "lightning_logs" / "version_0"), size_guidance={"scalars": 0})
