@@ -168,7 +168,11 @@ def test_a_lighthouse_that_dies_mid_run_ends_the_job_in_one_line(tmp_path: Path,
 
 @pytest.mark.parametrize(("args", "expected"), [
     ([GROUPS, "2", "--trainer.strategy.init_args.min_replicas", "3"], "min_replicas=3 must be between 1 and"),
-    (["--trainer.devices", "2"], "set trainer.devices 1 and num_nodes 1, and raise"),
+    (["--trainer.num_nodes", "2", *batch_sizes(8, 2)], "trainer.num_nodes=2 but no launcher started this process"),
+    ([*GROUPS_OF_TWO, *batch_sizes(4, 2)], "data.global_batch_size=4 is not a multiple of data.micro_batch_size=2 x 2 "
+                                           "replica groups of 2 processes (2 devices x 1 nodes) = 8"),
+    ([*GROUPS_OF_TWO, GROUPS, "3", *batch_sizes(6, 1)], "data.global_batch_size=6 cannot be shared by a quorum of 2 "
+                                                        "replica groups of 2 processes in 1 equal micro-batches"),
     (["--data.num_workers", "2"], "data.num_workers=2: a fault-tolerant group reads"),
     (["--bad_steps.action", "rollback"], "bad_steps.action=rollback would reload one replica group"),
     (batch_sizes(12, 4), "data.global_batch_size=12 is not a multiple of data.micro_batch_size=4 x 2 replica groups"),

@@ -70,10 +70,6 @@ class ReplicaGroupsLauncher(_Launcher):
     def launch(self, function: Callable, *args: Any, trainer: L.Trainer | None = None, **kwargs: Any) -> Any:
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return function(*args, **kwargs)
-        if trainer.num_nodes > 1:
-            raise UserError(f"trainer.num_nodes={trainer.num_nodes}: cohort fit starts every replica group on this "
-                            "machine; set num_nodes 1 (a group of trainer.devices processes), or start groups that "
-                            "span machines with scripts/torchrun.sh on each")
         if self.settings.lighthouse:
             check_lighthouse_answers(self.settings.lighthouse)
         fit_arguments = inspect.signature(function).bind(*args, **kwargs).arguments
