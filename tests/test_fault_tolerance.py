@@ -114,8 +114,9 @@ def test_a_process_killed_in_a_group_of_two_rejoins_with_its_peers_shards(tmp_pa
     job = fit(tmp_path / "job", [*run, *GROUPS_OF_TWO, *batch_sizes(8, 2),
                                  "--trainer.callbacks+=tests.helpers.KillReplicaGroup", "--trainer.callbacks.group=1",
                                  "--trainer.callbacks.step=3", "--trainer.callbacks.rank=1",
-                                 "--trainer.callbacks+=tests.helpers.RejoinMidRun", f"--trainer.callbacks.folder={tmp_path}",
-                                 "--trainer.callbacks.group=1", "--trainer.callbacks.step=8"])
+                                 "--trainer.callbacks+=tests.helpers.RejoinMidRun",
+                                 f"--trainer.callbacks.folder={tmp_path}", "--trainer.callbacks.group=1",
+                                 "--trainer.callbacks.step=8"])
     one_process = fit_in_process(tmp_path / "one_process", [*run, *batch_sizes(8, 4)])
     finals = [last_checkpoint_contents(group_run(job, group)) for group in range(2)]
     assert [final["global_step"] for final in finals] == [steps] * 2

@@ -1,29 +1,35 @@
 """Fault-tolerant data parallelism with torchft: replica groups that train on without a member that died, and take it
-back, with a live peer's weights, once it restarts (configs/trainer/fault_tolerant_cpu.yaml, fault_tolerant_gpu_bf16.yaml).
+back, with a live peer's weights, once it restarts (configs/trainer/fault_tolerant_cpu.yaml,
+fault_tolerant_gpu_bf16.yaml; groups of several processes: fault_tolerant_groups_cpu.yaml).
 
     cohort fit -c configs/quickstart.yaml -c configs/trainer/fault_tolerant_cpu.yaml
 
 The job. ``cohort fit`` starts torchft's lighthouse (unless ``lighthouse`` names a running one) and one torchrun per
-replica group (``python -m torch.distributed.run --standalone --max-restarts N -m app fit ...``), each with one
-process, and waits for them. A replica group is a whole copy of the model; the groups meet at each optimizer step:
+replica group (``python -m torch.distributed.run --standalone --nproc-per-node D --max-restarts N -m app fit ...``),
+each with ``trainer.devices`` processes, and waits for them. A replica group is a whole copy of the model, sharded
+over its processes (FSDP2, as under ModelParallelStrategy; one process holds it whole); the groups meet at each
+optimizer step, rank r of a group with rank r of the others, each rank running torchft's Manager (group_rank r):
 
     quorum     before a step reads its data, each group asks the lighthouse which groups take part in the step;
                a group that missed earlier steps (restarted) first receives the weights, optimizer state, schedule
-               and step count of a live peer over HTTP, read as data (never unpickled code), never from disk
-    average    after the step's backward, one all-reduce over the quorum's groups averages the gradient
+               and step count of a live peer over HTTP, rank r from the peer's rank r (its shards), read as data
+               (never unpickled code), never from disk
+    average    after the step's backward (and FSDP2's reduce-scatter within the group), one all-reduce of each
+               rank's gradient shards with the same rank of the quorum's other groups averages the gradient
     commit     the groups agree that the all-reduce succeeded; only then is the optimizer step taken. A step whose
                all-reduce failed (a group died in it) is taken by none and done again, on the same samples
 
-A group that dies is dropped from the next quorum (after the lighthouse's heartbeat timeout) and torchrun restarts
-it; the others go on without waiting for it. The job stops only if fewer than ``min_replicas`` groups are alive.
+A group with a process that dies (torchrun stops its other processes) is dropped from the next quorum (after the
+lighthouse's heartbeat timeout) and torchrun restarts it; the others go on without waiting for it. The job stops only
+if fewer than ``min_replicas`` groups are alive.
 
 Batch and learning rate. The global batch stays ``data.global_batch_size`` whatever the quorum: of n groups, each
-reads G / n samples of the committed step's global batch, in the run's number of micro-batches (so a group's
-micro-batches grow while the quorum is smaller: memory to keep in reserve), and the gradient is their mean. So every
-step reads what one process would have read and takes the same update, up to the order of sums; the learning rate
-and its schedule follow the committed steps. A step that did not commit is done again on the same samples. Each
-group logs the quorum size, the samples it read, its failed commits, recoveries and time in quorums
-(``fault_tolerance/*`` in TensorBoard).
+reads G / n samples of the committed step's global batch, an equal part on each of its processes, in the run's
+number of micro-batches (so a group's micro-batches grow while the quorum is smaller: memory to keep in reserve),
+and the gradient is their mean. So every step reads what one process would have read and takes the same update, up
+to the order of sums; the learning rate and its schedule follow the committed steps. A step that did not commit is
+done again on the same samples. Each group logs the quorum size, the samples it read, its failed commits, recoveries
+and time in quorums (``fault_tolerance/*`` in TensorBoard).
 
 Per group. Each group writes TensorBoard and checkpoints to ``lightning_logs/version_N/replica_group_G/`` (all
 groups hold the same weights; any one's checkpoint resumes the job). Preemption (SIGTERM, SIGUSR1 to ``cohort``) stops
