@@ -43,8 +43,9 @@ class RunPlan:
     # workers of an asynchronous run (app/strategies/parameter_server/), rank 0 being the server; 0: the ranks step
     # together. Each update is one global batch that one worker computes: the data-parallel size is then 1
     asynchronous_workers: int = 0
-    # fault-tolerant replica groups (app/strategies/fault_tolerance/), each a job of its own; a quorum of n of them
-    # shares each global batch, each reading global_batch_size / n; 1: one job
+    # fault-tolerant replica groups (app/strategies/fault_tolerance/), each a job of its own of data_parallel_size
+    # processes; a quorum of q of them shares each global batch, each group reading global_batch_size / q split over
+    # its processes; 1: one job
     replica_groups: int = 1
     # hybrid sharding (app/strategies/hybrid_sharding.py): the data-parallel ranks are this many replicas of the
     # model, each sharded (FSDP2) over data_parallel_size / data_parallel_replicate_size ranks; 1: over all of them
@@ -237,11 +238,15 @@ class RunPlan:
                     f"{self.accumulation} accumulation steps, computed by one of {self.asynchronous_workers} "
                     f"asynchronous workers and applied by the parameter server (rank 0) as it arrives; "
                     f"{self.tokens_per_step:,} {self.unit} per update")
-        groups = f" x {self.replica_groups} fault-tolerant replica groups" if self.replica_groups > 1 else ""
+        groups = ""
+        if self.replica_groups > 1:
+            groups = (f" x {self.replica_groups} fault-tolerant replica groups (of q up, each reads "
+                      f"{self.global_batch_size} / q over its {self.data_parallel_size} ranks)")
         hybrid = (f" ({self.data_parallel_replicate_size} replicas x {self.data_parallel_shard_size} shards)"
                   if self.data_parallel_replicate_size > 1 else "")
         return (f"global batch {self.global_batch_size} = micro batch {self.micro_batch_size} x "
-                f"{self.data_parallel_size} data-parallel ranks{hybrid} x {self.accumulation} accumulation steps{groups}; "
+                f"{self.data_parallel_size} data-parallel ranks{hybrid} x {self.accumulation} accumulation "
+                f"steps{groups}; "
                 f"{self.tokens_per_step:,} {self.unit} per optimizer step{pipeline}")
 
 

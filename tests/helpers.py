@@ -722,10 +722,10 @@ class StopRank(Callback):
 
 
 class KillReplicaGroup(KillRank):
-    """KillRank for one fault-tolerant replica group: its process dies at ``step`` in its first attempt."""
+    """KillRank for one fault-tolerant replica group: its process ``rank`` dies at ``step`` in its first attempt."""
 
-    def __init__(self, group: int, step: int) -> None:
-        super().__init__(0, step)
+    def __init__(self, group: int, step: int, rank: int = 0) -> None:
+        super().__init__(rank, step)
         self.group = group
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -735,8 +735,11 @@ class KillReplicaGroup(KillRank):
 
 class RejoinMidRun(Callback):
     """Brings a killed replica group back mid-run whatever the machine's speed, where a sleep per step had to outlast
-    a restart: its restarted process waits until the other groups have trained a step without it, and they wait at
-    ``step`` until its restarted process has started. Each side leaves a file in ``folder`` for the other."""
+    a restart: its restarted processes wait until the other groups have trained a step without it, and they wait at
+    ``step`` until the restarted group has asked the lighthouse for its first quorum, so that their next quorum holds
+    it (a quorum the same groups as the last one ask for, the lighthouse gives at once, without the groups that are
+    up but have not asked yet). The restarted group writes into a file in ``folder`` how many quorum requests of its
+    group the job's lighthouse log held before it asked; the others wait for one more."""
 
     def __init__(self, folder: str, group: int, step: int) -> None:
         self.went_on = Path(folder) / f"went_on_without_group_{group}"
@@ -747,7 +750,17 @@ class RejoinMidRun(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if os.environ.get("COHORT_REPLICA_GROUP") == str(self.group) and torchrun_restart() > 0:
             wait_until(self.went_on.exists, f"{self.went_on.name} in {self.went_on.parent}")
-            self.restarted.touch()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if os.environ.get("COHORT_REPLICA_GROUP") == str(self.group) and torchrun_restart() > 0:
+            requests = self.quorum_requests(trainer)
+            if trainer.global_rank == 0:  # before the group's first quorum, which its rank 0 asks the lighthouse for
+                self.restarted.write_text(str(requests))
+
+    def quorum_requests(self, trainer: L.Trainer) -> int:
+        """The quorum requests of this group's replica group in the job's lighthouse log (the job folder's)."""
+        log = Path(trainer.logger.log_dir).parent / "lighthouse.log"  # trainer.log_dir would be a collective
+        return log.read_text().count(f"Received quorum request for replica replica_group_{self.group}:")
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if os.environ.get("COHORT_REPLICA_GROUP") == str(self.group):
@@ -755,7 +768,9 @@ class RejoinMidRun(Callback):
         if trainer.strategy.manager.num_participants() < trainer.strategy.settings.replica_groups:  # this step's quorum
             self.went_on.touch()
         if trainer.global_step == self.step:
-            wait_until(self.restarted.exists, f"{self.restarted.name} in {self.restarted.parent}")
+            wait_until(lambda: self.restarted.exists() and self.restarted.read_text() != "", self.restarted.name)
+            before = int(self.restarted.read_text())
+            wait_until(lambda: self.quorum_requests(trainer) > before, f"replica group {self.group}'s quorum request")
 
 
 class RestartAfterJobFinished(Callback):

@@ -50,7 +50,13 @@ REFUSED = {
     **{(recipe, preset): "data.num_workers=4: a fault-tolerant group reads each step's samples once the step's quorum"
        for recipe in ("gpt2/pretrain.yaml", "gpt-6.7b/pretrain.yaml", "bert-large/pretrain.yaml",
                       "llama-8b/continued_pretraining.yaml")
-       for preset in ("fault_tolerant_cpu", "fault_tolerant_gpu_bf16")},
+       for preset in ("fault_tolerant_cpu", "fault_tolerant_gpu_bf16", "fault_tolerant_groups_cpu")},
+    # 2 groups x 2 processes read 4 micro-batches per step: a recipe's micro batch must be a quarter of its global one
+    **{(recipe, "fault_tolerant_groups_cpu"): "data.global_batch_size=32 is not a multiple of data.micro_batch_size=16 "
+       "x 2 replica groups of 2 processes" for recipe in ("quickstart.yaml", "llama-small/pretrain.yaml",
+                                                          "bert-small/pretrain.yaml")},
+    ("resnet-small/digits.yaml", "fault_tolerant_groups_cpu"): "data.global_batch_size=64 is not a multiple of "
+                                                               "data.micro_batch_size=32 x 2 replica groups of 2",
 }
 
 # the 4 CPU processes of hsdp_cpu: the recipes' global batches are sized for 1 or 2

@@ -351,18 +351,20 @@ def test_the_doctor_checks_the_memory_estimate_against_the_visible_gpu(
 
 
 # ----- fault-tolerant replica groups on GPUs -----
-def test_a_replica_group_runs_on_the_gpu_its_torchrun_was_given(tmp_path: Path, device_calls: list,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_replica_group_runs_on_the_gpus_its_torchrun_was_given(tmp_path: Path, device_calls: list,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Group G of one process on GPU G, of two processes on GPUs 2G and 2G + 1 (its ranks' cuda:0 and cuda:1); more
+    groups than GPUs share them."""
     started: list[dict[str, str]] = []
     monkeypatch.setattr(job.subprocess, "Popen", lambda command, env, **options: started.append(env))
     launcher = ReplicaGroupsLauncher(SimpleNamespace(replica_groups=10, max_restarts=2))
     for group in range(10):
         launcher._start_group(group, {}, [], tmp_path / "version_0")
     assert [env["CUDA_VISIBLE_DEVICES"] for env in started] == ["0", "1", "2", "3", "4", "5", "6", "7", "0", "1"]
-    strategy = FaultTolerantStrategy()
-    assert strategy.root_device == torch.device("cpu")
-    strategy.accelerator = CUDAAccelerator()
-    assert strategy.root_device == torch.device("cuda", 0)  # the one GPU CUDA_VISIBLE_DEVICES left it
+    started.clear()
+    for group in range(5):
+        launcher._start_group(group, {}, [], tmp_path / "version_0", processes=2)
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in started] == ["0,1", "2,3", "4,5", "6,7", "0,1"]
 
 
 def test_replica_groups_on_gpus_average_over_nccl_within_the_strategys_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -370,7 +372,7 @@ def test_replica_groups_on_gpus_average_over_nccl_within_the_strategys_timeout(m
     here), its non-blocking waits bounded by the same timeout, handed to the manager."""
     import torchft.manager
     import torchft.process_group
-    from lightning.pytorch.strategies import SingleDeviceStrategy
+    from lightning.pytorch.strategies import ModelParallelStrategy
 
     from app.strategies.fault_tolerance import strategy as strategy_module
 
@@ -389,7 +391,8 @@ def test_replica_groups_on_gpus_average_over_nccl_within_the_strategys_timeout(m
 
     monkeypatch.setattr(torchft.process_group, "ProcessGroupNCCL", RecordedNcclGroup)
     monkeypatch.setattr(torchft.manager, "Manager", RecordedManager)
-    monkeypatch.setattr(SingleDeviceStrategy, "setup", lambda self, trainer: None)
+    monkeypatch.setattr(ModelParallelStrategy, "setup", lambda self, trainer: None)
+    monkeypatch.setattr(FaultTolerantStrategy, "broadcast", lambda self, obj, src=0: obj)  # a group of one
     monkeypatch.setattr(strategy_module, "check_lighthouse_answers", lambda address, wait: None)
     monkeypatch.setattr(strategy_module, "weights_only_http_transport", lambda timeout: "transport")
     monkeypatch.setattr(strategy_module, "job_store", lambda timeout: None)
@@ -398,6 +401,7 @@ def test_replica_groups_on_gpus_average_over_nccl_within_the_strategys_timeout(m
     monkeypatch.delenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", raising=False)
     strategy = FaultTolerantStrategy(timeout=timedelta(seconds=45))
     strategy.accelerator = CUDAAccelerator()
+    strategy.parallel_devices = [torch.device("cuda", 0)]
     strategy.committed_steps = SimpleNamespace(restored={"committed_steps": 3})
     strategy.setup(None)
     assert made["timeout"] == timedelta(seconds=45)

@@ -26,6 +26,7 @@ from tests.helpers import (
 from tests.processes import run_cohort
 
 FAULT_TOLERANT = ["-c", str(CONFIG_DIR / "trainer/fault_tolerant_cpu.yaml")]
+GROUPS_OF_TWO = ["-c", str(CONFIG_DIR / "trainer/fault_tolerant_groups_cpu.yaml")]  # 2 groups x 2 processes, FSDP2
 GROUPS = "--trainer.strategy.init_args.replica_groups"
 
 
@@ -49,6 +50,19 @@ def test_two_replica_groups_train_as_one_process_does(tmp_path: Path, comparable
     for group in range(2):
         assert_comparable_runs_agree(one_process_comparable_run, group_run(job, group))
         assert scalars(group_run(job, group), "fault_tolerance/quorum_size") == [2.0] * 4
+
+
+@pytest.mark.slow
+def test_two_groups_of_two_processes_train_as_one_process_does(tmp_path: Path, comparable_run_args: list[str],
+                                                               one_process_comparable_run: Path) -> None:
+    """Each group shards the model over its two processes (FSDP2) and reads half of every global batch, a quarter on
+    each process; process r averages its gradient shards with process r of the other group. The same steps as one
+    process reading the whole batch, up to the order of sums (assert_comparable_runs_agree's tolerances)."""
+    job = fit(tmp_path, [*comparable_run_args, *GROUPS_OF_TWO, *batch_sizes(8, 2)])
+    for group in range(2):
+        assert_comparable_runs_agree(one_process_comparable_run, group_run(job, group))
+        assert scalars(group_run(job, group), "fault_tolerance/quorum_size") == [2.0] * 4
+        assert scalars(group_run(job, group), "fault_tolerance/samples_per_group") == [4.0] * 4
 
 
 @pytest.mark.slow
@@ -84,6 +98,36 @@ def test_a_killed_group_rejoins_with_a_live_groups_state(tmp_path: Path, debug_r
     # validation follows the committed steps in the group that came back too (it misses step 50 if it came later)
     validated = scalars(group_run(job, 1), "val/loss")
     assert validated and validated == scalars(group_run(job, 0), "val/loss")[-len(validated):], validated
+
+
+@pytest.mark.slow
+def test_a_process_killed_in_a_group_of_two_rejoins_with_its_peers_shards(tmp_path: Path,
+                                                                          debug_run_args: list[str]) -> None:
+    """Process 1 of group 1 (of 2 groups of 2 processes) dies at step 3; torchrun restarts the group, whose process r
+    takes process r's shards of group 0 (weights, optimizer state, step), while group 0 trains on alone, reading the
+    whole global batch. So every committed step is one process's step up to the order of sums, and both groups end
+    with the same weights, bitwise, exiting 0. Group 0 holds at step 8 until group 1's new processes have started
+    (tests.helpers.RejoinMidRun), whatever the machine's speed."""
+    steps = 12
+    run = [*debug_run_args, "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",
+           "--trainer.gradient_clip_val", str(CLIP)]
+    job = fit(tmp_path / "job", [*run, *GROUPS_OF_TWO, *batch_sizes(8, 2),
+                                 "--trainer.callbacks+=tests.helpers.KillReplicaGroup", "--trainer.callbacks.group=1",
+                                 "--trainer.callbacks.step=3", "--trainer.callbacks.rank=1",
+                                 "--trainer.callbacks+=tests.helpers.RejoinMidRun",
+                                 f"--trainer.callbacks.folder={tmp_path}", "--trainer.callbacks.group=1",
+                                 "--trainer.callbacks.step=8"])
+    one_process = fit_in_process(tmp_path / "one_process", [*run, *batch_sizes(8, 4)])
+    finals = [last_checkpoint_contents(group_run(job, group)) for group in range(2)]
+    assert [final["global_step"] for final in finals] == [steps] * 2
+    assert_weights_equal(finals[0]["state_dict"], finals[1]["state_dict"])
+    assert scalars(group_run(job, 1), "fault_tolerance/recoveries")[-1] == 1.0
+    quorum = scalars(group_run(job, 0), "fault_tolerance/quorum_size")
+    assert quorum[0] == 2.0 and 1.0 in quorum and quorum[-1] == 2.0, quorum  # alone while group 1 was down
+    norms = last_value_per_step(group_run(job, 0), "train/grad_norm")  # a step that did not commit is logged again
+    expected = last_value_per_step(one_process, "train/grad_norm")
+    assert norms.keys() == expected.keys() and list(norms.values()) == pytest.approx(list(expected.values()), rel=1e-4)
+    assert_weights_agree(one_process, group_run(job, 0))
 
 
 def last_value_per_step(run_dir: Path, tag: str) -> dict[int, float]:
@@ -125,7 +169,11 @@ def test_a_lighthouse_that_dies_mid_run_ends_the_job_in_one_line(tmp_path: Path,
 
 @pytest.mark.parametrize(("args", "expected"), [
     ([GROUPS, "2", "--trainer.strategy.init_args.min_replicas", "3"], "min_replicas=3 must be between 1 and"),
-    (["--trainer.devices", "2"], "set trainer.devices 1 and num_nodes 1, and raise"),
+    (["--trainer.num_nodes", "2", *batch_sizes(8, 2)], "trainer.num_nodes=2 but no launcher started this process"),
+    ([*GROUPS_OF_TWO, *batch_sizes(4, 2)], "data.global_batch_size=4 is not a multiple of data.micro_batch_size=2 x 2 "
+                                           "replica groups of 2 processes (2 devices x 1 nodes) = 8"),
+    ([*GROUPS_OF_TWO, GROUPS, "3", *batch_sizes(6, 1)], "data.global_batch_size=6 cannot be shared by a quorum of 2 "
+                                                        "replica groups of 2 processes in 1 equal micro-batches"),
     (["--data.num_workers", "2"], "data.num_workers=2: a fault-tolerant group reads"),
     (["--bad_steps.action", "rollback"], "bad_steps.action=rollback would reload one replica group"),
     (batch_sizes(12, 4), "data.global_batch_size=12 is not a multiple of data.micro_batch_size=4 x 2 replica groups"),

@@ -13,7 +13,7 @@ from lightning.fabric.strategies.launchers import launcher
 from lightning.fabric.utilities import load
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch.distributed import _serialization, distributed_c10d
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.distributed.device_mesh import DeviceMesh
@@ -37,7 +37,7 @@ PRIVATE_METHODS = [
      "data-parallel ranks, on the root mesh tensor parallelism slices (slicing a _flatten-ed one is deprecated)"),
     (powerSGD_hook, "_should_compress", "app/strategies/gradient_compression.py factor_slots: each Q factor's slot"),
     (_serialization, "_streaming_load", "fault_tolerance/strategy.py: a peer's state read weights-only"),
-    (SingleDeviceStrategy, "_configure_launcher", "fault_tolerance/strategy.py: cohort fit starts the replica groups"),
+    (ModelParallelStrategy, "_configure_launcher", "fault_tolerance/strategy.py: cohort fit starts the replica groups"),
     (distributed_c10d, "_set_pg_timeout", "tests/helpers.py StopRank: a short collective timeout once started"),
     # undocumented, though not underscored: the methods torch's schedules call on a stage, which models/parallel/pipeline.py's
     # TimedStage overrides (a rename would leave the bubble unmeasured, or a V's middle rank raising under eval())
@@ -56,6 +56,8 @@ PRIVATE_ATTRIBUTES = [
     ("trainer", "_checkpoint_connector", "RunCheckpoint._write: dump_checkpoint without the barrier after it"),
     ("logger_connector", "should_update_logs", "models/step_logging.py: a step's values logged only when the logger writes"),
     ("model_parallel", "_save_distributed_checkpoint", "checkpoint_writing.py writes_shards: an async write's layout"),
+    ("model_parallel", "_data_parallel_size", "fault_tolerance/strategy.py setup_environment: a group's mesh"),
+    ("model_parallel", "_tensor_parallel_size", "fault_tolerance/strategy.py setup_environment: a group's mesh"),
     ("fsdp", "_state_dict_type", "checkpoint_writing.py writes_shards: an async write's layout"),
     ("module", "_trainer", "models/module.py configure_model: the trainer or None, without raising"),
     ("fused_adamw", "_step_supports_amp_scaling", "bad_steps, language_model: the step reads found_inf itself"),

@@ -30,9 +30,10 @@ from datamodules.base import ShardedDataModule
 from datamodules.own_datamodule import read_training_loader
 
 # each strategy class Cohort tells apart and its kind, subclasses before their bases: a pipeline is model parallel;
-# the parameter server, DeepSpeed and XLA are DDPStrategies that reduce gradients their own way
-KINDS = ((PipelineParallelStrategy, StrategyKind.PIPELINE), (ModelParallelStrategy, StrategyKind.MODEL_PARALLEL),
-         (ParameterServerStrategy, StrategyKind.PARAMETER_SERVER), (FaultTolerantStrategy, StrategyKind.FAULT_TOLERANT),
+# and fault-tolerant groups (FSDP2 within a group) are model parallel; the parameter server, DeepSpeed and XLA are
+# DDPStrategies that reduce gradients their own way
+KINDS = ((PipelineParallelStrategy, StrategyKind.PIPELINE), (FaultTolerantStrategy, StrategyKind.FAULT_TOLERANT),
+         (ModelParallelStrategy, StrategyKind.MODEL_PARALLEL), (ParameterServerStrategy, StrategyKind.PARAMETER_SERVER),
          (DeepSpeedStrategy, StrategyKind.OTHER), (XLAStrategy, StrategyKind.OTHER),
          (FSDPStrategy, StrategyKind.FSDP), (DDPStrategy, StrategyKind.DDP))
 Settings = TypeVar("Settings")  # a feature's frozen settings record
@@ -175,9 +176,9 @@ def parallel_sizes(trainer: Namespace, kind: StrategyKind) -> tuple[int, int, in
         pipeline, data, tensor = (int(getattr(sizes, size, PIPELINE_DEFAULTS[size]))
                                   for size in ("pipeline_parallel_size", "data_parallel_size", "tensor_parallel_size"))
         return pipeline, data, tensor
-    if kind in (StrategyKind.PARAMETER_SERVER, StrategyKind.FAULT_TOLERANT):
-        return 1, 1, 1  # each update is one global batch, which one worker reads; a replica group is one process
-    if kind is not StrategyKind.MODEL_PARALLEL:
+    if kind is StrategyKind.PARAMETER_SERVER:
+        return 1, 1, 1  # each update is one global batch, which one worker reads
+    if kind is not StrategyKind.MODEL_PARALLEL:  # a fault-tolerant group's processes are its data-parallel ranks
         return 1, devices_per_node(trainer) * int(trainer.num_nodes), 1
     data_parallel = getattr(sizes, "data_parallel_size", "auto")
     tensor_parallel = getattr(sizes, "tensor_parallel_size", "auto")

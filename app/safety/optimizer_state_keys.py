@@ -45,8 +45,10 @@ def parameter_names(module: torch.nn.Module) -> dict[int, str]:
 
 
 def keyed_by_position(optimizer_state: dict[str, Any]) -> bool:
-    """Whether a torch optimizer state dict numbers its parameters (torch's own) or names them (ours)."""
-    return any(isinstance(params, int) for group in optimizer_state["param_groups"] for params in group["params"])
+    """Whether a torch optimizer state dict numbers its parameters (torch's own) or names them (ours); neither when it
+    is empty, as on the ranks but 0 of a sharded strategy that gathers one file on rank 0."""
+    groups = optimizer_state.get("param_groups", [])
+    return any(isinstance(params, int) for group in groups for params in group["params"])
 
 
 def optimizer_state_by_name(state: dict[str, Any], optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:

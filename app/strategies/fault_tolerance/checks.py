@@ -12,15 +12,11 @@ from core.errors import UserError
 
 def check_config(settings: FaultToleranceSettings, world_size: int, global_batch_size: int, micro_batch_size: int,
                  loader_workers: int, bad_steps_action: str | None) -> None:
-    """A UserError for what the replica groups cannot run with: no torchft, more than one process per group, a loader
-    that reads ahead, a rollback, or a global batch that a smaller quorum cannot share. Before the run plan, which
-    counts the groups."""
+    """A UserError for what the replica groups (of ``world_size`` processes each) cannot run with: no torchft, a
+    loader that reads ahead, a rollback, or a global batch that a smaller quorum cannot share. Before the run plan,
+    which counts the groups."""
     if importlib.util.find_spec("torchft") is None:
         raise UserError("FaultTolerantStrategy needs torchft, which is not installed: pip install -e '.[ft]'")
-    if world_size != 1:
-        raise UserError(f"trainer.devices x trainer.num_nodes = {world_size} under FaultTolerantStrategy, whose "
-                        f"replica groups are one process each: set trainer.devices 1 and num_nodes 1, and raise "
-                        f"{FIELD}.replica_groups instead")
     if loader_workers:
         raise UserError(f"data.num_workers={loader_workers}: a fault-tolerant group reads each step's samples once the "
                         "step's quorum has said which, so its loader must not read ahead: set data.num_workers 0")
@@ -28,10 +24,11 @@ def check_config(settings: FaultToleranceSettings, world_size: int, global_batch
         raise UserError("bad_steps.action=rollback would reload one replica group's weights from its own checkpoint "
                         "while the others go on: use stop or skip with FaultTolerantStrategy")
     groups, fewest = settings.replica_groups, settings.min_replicas
-    accumulation = global_batch_size // (micro_batch_size * groups)
+    accumulation = global_batch_size // (micro_batch_size * world_size * groups)
+    each = f" of {world_size} processes" if world_size > 1 else ""
     for quorum in range(fewest, groups):  # the full quorum's arithmetic is the run plan's check
-        if accumulation and global_batch_size % (quorum * accumulation):
+        if accumulation and global_batch_size % (quorum * world_size * accumulation):
             raise UserError(f"data.global_batch_size={global_batch_size} cannot be shared by a quorum of {quorum} "
-                            f"replica groups in {accumulation} equal micro-batches each: choose a global batch that "
-                            f"divides by {accumulation} x every quorum size from min_replicas={fewest} to "
-                            f"{groups}, or raise {FIELD}.min_replicas")
+                            f"replica groups{each} in {accumulation} equal micro-batches per process: choose a "
+                            f"global batch that divides by {world_size * accumulation} x every quorum size from "
+                            f"min_replicas={fewest} to {groups}, or raise {FIELD}.min_replicas")

@@ -88,7 +88,8 @@ class ReplicaGroupsLauncher(_Launcher):
         # state instead of reading it again
         ckpt_path = fit_arguments.get("ckpt_path")
         resume = [f"--ckpt_path={ckpt_path}"] if ckpt_path else []
-        groups = [self._start_group(group, job, resume, run_dir) for group in range(self.settings.replica_groups)]
+        groups = [self._start_group(group, job, resume, run_dir, trainer.num_devices)
+                  for group in range(self.settings.replica_groups)]
         stop = forward_stop_signals(groups)
         try:
             codes = wait_for_groups(groups, lighthouse[0] if lighthouse else None, run_dir)
@@ -110,18 +111,22 @@ class ReplicaGroupsLauncher(_Launcher):
                   "trained to the end without it", file=sys.stderr)
         return None
 
-    def _start_group(self, group: int, job: dict[str, str], resume: list[str], run_dir: Path) -> subprocess.Popen:
-        """One torchrun for replica group ``group``, in a session of its own (a signal reaches its processes)."""
+    def _start_group(self, group: int, job: dict[str, str], resume: list[str], run_dir: Path,
+                     processes: int = 1) -> subprocess.Popen:
+        """One torchrun of ``processes`` for replica group ``group``, in a session of its own (a signal reaches its
+        processes)."""
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         env = {**os.environ, **job, REPLICA_GROUP_ENV: str(group), RUN_VERSION_ENV: run_dir.name,
                # torchrun's agent would lend its rendezvous store to a restarted attempt (pytorch/pytorch#135712)
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                # the groups share this machine's cores
-               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, cpus // self.settings.replica_groups))),
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
+                                                 str(max(1, cpus // (self.settings.replica_groups * processes)))),
                "RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft's own log: a few lines per step otherwise
-        if torch.cuda.is_available():  # group G on GPU G; more groups than GPUs share them
-            env["CUDA_VISIBLE_DEVICES"] = str(group % torch.cuda.device_count())
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+        if torch.cuda.is_available():  # group G of n processes on GPUs Gn to Gn + n - 1; more than there are share them
+            gpus = torch.cuda.device_count()
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str((group * processes + rank) % gpus) for rank in range(processes))
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
                    "--max-restarts", str(self.settings.max_restarts), "-m", "app", *sys.argv[1:], *resume]
         return subprocess.Popen(command, env=env, start_new_session=True)
 

@@ -1,29 +1,35 @@
 """Fault-tolerant data parallelism with torchft: replica groups that train on without a member that died, and take it
-back, with a live peer's weights, once it restarts (configs/trainer/fault_tolerant_cpu.yaml, fault_tolerant_gpu_bf16.yaml).
+back, with a live peer's weights, once it restarts (configs/trainer/fault_tolerant_cpu.yaml,
+fault_tolerant_gpu_bf16.yaml; groups of several processes: fault_tolerant_groups_cpu.yaml).
 
     cohort fit -c configs/quickstart.yaml -c configs/trainer/fault_tolerant_cpu.yaml
 
 The job. ``cohort fit`` starts torchft's lighthouse (unless ``lighthouse`` names a running one) and one torchrun per
-replica group (``python -m torch.distributed.run --standalone --max-restarts N -m app fit ...``), each with one
-process, and waits for them. A replica group is a whole copy of the model; the groups meet at each optimizer step:
+replica group (``python -m torch.distributed.run --standalone --nproc-per-node D --max-restarts N -m app fit ...``),
+each with ``trainer.devices`` processes, and waits for them. A replica group is a whole copy of the model, sharded
+over its processes (FSDP2, as under ModelParallelStrategy; one process holds it whole); the groups meet at each
+optimizer step, rank r of a group with rank r of the others, each rank running torchft's Manager (group_rank r):
 
     quorum     before a step reads its data, each group asks the lighthouse which groups take part in the step;
                a group that missed earlier steps (restarted) first receives the weights, optimizer state, schedule
-               and step count of a live peer over HTTP, read as data (never unpickled code), never from disk
-    average    after the step's backward, one all-reduce over the quorum's groups averages the gradient
+               and step count of a live peer over HTTP, rank r from the peer's rank r (its shards), read as data
+               (never unpickled code), never from disk
+    average    after the step's backward (and FSDP2's reduce-scatter within the group), one all-reduce of each
+               rank's gradient shards with the same rank of the quorum's other groups averages the gradient
     commit     the groups agree that the all-reduce succeeded; only then is the optimizer step taken. A step whose
                all-reduce failed (a group died in it) is taken by none and done again, on the same samples
 
-A group that dies is dropped from the next quorum (after the lighthouse's heartbeat timeout) and torchrun restarts
-it; the others go on without waiting for it. The job stops only if fewer than ``min_replicas`` groups are alive.
+A group with a process that dies (torchrun stops its other processes) is dropped from the next quorum (after the
+lighthouse's heartbeat timeout) and torchrun restarts it; the others go on without waiting for it. The job stops only
+if fewer than ``min_replicas`` groups are alive.
 
 Batch and learning rate. The global batch stays ``data.global_batch_size`` whatever the quorum: of n groups, each
-reads G / n samples of the committed step's global batch, in the run's number of micro-batches (so a group's
-micro-batches grow while the quorum is smaller: memory to keep in reserve), and the gradient is their mean. So every
-step reads what one process would have read and takes the same update, up to the order of sums; the learning rate
-and its schedule follow the committed steps. A step that did not commit is done again on the same samples. Each
-group logs the quorum size, the samples it read, its failed commits, recoveries and time in quorums
-(``fault_tolerance/*`` in TensorBoard).
+reads G / n samples of the committed step's global batch, an equal part on each of its processes, in the run's
+number of micro-batches (so a group's micro-batches grow while the quorum is smaller: memory to keep in reserve),
+and the gradient is their mean. So every step reads what one process would have read and takes the same update, up
+to the order of sums; the learning rate and its schedule follow the committed steps. A step that did not commit is
+done again on the same samples. Each group logs the quorum size, the samples it read, its failed commits, recoveries
+and time in quorums (``fault_tolerance/*`` in TensorBoard).
 
 Per group. Each group writes TensorBoard and checkpoints to ``lightning_logs/version_N/replica_group_G/`` (all
 groups hold the same weights; any one's checkpoint resumes the job). Preemption (SIGTERM, SIGUSR1 to ``cohort``) stops
@@ -44,9 +50,9 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed import TCPStore
@@ -61,14 +67,22 @@ from app.strategies.fault_tolerance.job import (
     wait_for_every_group,
 )
 from app.strategies.fault_tolerance.settings import FaultToleranceSettings
+from app.strategies.fault_tolerance.shards import (
+    average_local_gradients,
+    load_local_shards,
+    local_shards,
+    optimizer_state_on_mesh,
+)
 from core.errors import UserError
 from datamodules.base import ResumableDataLoader
 from datamodules.samplers import GlobalBatchSampler, StepMicroBatches
 
 
-class FaultTolerantStrategy(SingleDeviceStrategy):
-    """One process per replica group; torchft's Manager joins the groups' quorum, averages the gradient over it and
-    decides whether each step commits. In the process that starts the job, the launcher starts the groups."""
+class FaultTolerantStrategy(ModelParallelStrategy):
+    """A replica group of trainer.devices x num_nodes processes, the network sharded over them (FSDP2, as
+    ModelParallelStrategy shards it over its data-parallel ranks); on each rank, torchft's Manager joins the groups'
+    quorum, averages the rank's gradient shards with the same rank of the other groups and decides whether each step
+    commits. In the process that starts the job, the launcher starts the groups."""
 
     def __init__(self, replica_groups: int = 3, min_replicas: int = 1, lighthouse: str | None = None,
                  max_restarts: int = 10, timeout: timedelta = timedelta(seconds=30),
@@ -85,7 +99,9 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
                 answer within it is left out.
             heartbeat_timeout: a group silent this long is dead to the lighthouse (the lighthouse this job starts).
         """
-        super().__init__(device="cpu")  # the pre-flight checks have checked the values (app/cli/preflight.py)
+        # the pre-flight checks have checked the values (app/cli/preflight.py); one file per group's checkpoint, as a
+        # single process writes it. The group's sizes are known once Lightning has counted its processes
+        super().__init__(save_distributed_checkpoint=False, timeout=timeout)
         self.settings = FaultToleranceSettings(replica_groups, min_replicas, lighthouse, max_restarts, timeout,
                                                heartbeat_timeout)
         self.manager: Any = None  # torchft's Manager, in a group's process from setup on
@@ -97,17 +113,23 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         self._rejoined = not torchrun_restart()  # a restarted group has rejoined once it has a live group's state
         self._store: TCPStore | None = None
 
-    @property
-    def root_device(self) -> torch.device:
-        """The GPU the job gave this group (CUDA_VISIBLE_DEVICES holds one), else the CPU."""
-        on_gpu = isinstance(self.accelerator, CUDAAccelerator)
-        return torch.device("cuda", 0) if on_gpu else torch.device("cpu")
-
     def _configure_launcher(self) -> None:
         self._launcher = None if replica_group() is not None else ReplicaGroupsLauncher(self.settings)
 
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The whole optimizer state (on rank 0) keyed by parameter name, as torch's state-dict API gives it: not
+        ModelParallelStrategy's, which numbers the parameters in the network's order, where the optimizer's (its
+        weight-decay groups) is another, so that the checkpoint's names would be wrong."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        plain = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        return get_optimizer_state_dict(self.model, plain,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
     # ----- in a group's process -----
     def setup_environment(self) -> None:
+        # every process of the group is one data-parallel rank: the network sharded over all of them
+        self._data_parallel_size, self._tensor_parallel_size = self.num_nodes * self.num_processes, 1
         super().setup_environment()
         trainer = self.lightning_module.trainer
         if replica_group() is not None and trainer.state.fn == TrainerFn.FITTING:
@@ -132,8 +154,11 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-        # the store through which the quorum's groups find each other's gloo addresses (the group's own)
-        self._store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        # the store through which the quorum's groups find each other's gloo addresses and the group's ranks their
+        # manager (the group's own, on its rank 0)
+        if self.global_rank == 0:
+            self._store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        store_host, store_port = self.broadcast((socket.gethostname(), self._store.port if self._store else 0))
         # the groups' gradient all-reduce: NCCL between GPUs (its timeout also bounds its non-blocking waits), gloo
         # between CPUs
         if self.root_device.type == "cuda":
@@ -144,7 +169,7 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         self.manager = Manager(
             pg=groups, load_state_dict=self._load_peer_state,
             state_dict=self._peer_state, min_replica_size=settings.min_replicas, use_async_quorum=False,
-            rank=0, world_size=1, store_addr=socket.gethostname(), store_port=self._store.port,
+            rank=self.global_rank, world_size=self.world_size, store_addr=store_host, store_port=store_port,
             replica_id=f"replica_group_{replica_group()}", timeout=timeout, quorum_timeout=timeout,
             checkpoint_transport=weights_only_http_transport(timeout),
             init_sync=False,  # every group builds the same initial weights from the seed: nothing to send at step 0
@@ -152,7 +177,9 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         self.manager.load_state_dict(self.committed_steps.restored)
         self.job_store = job_store(timeout)
         if self.job_store is not None and not torchrun_restart():
-            wait_for_every_group(self.job_store, settings.replica_groups, timeout)
+            if self.global_rank == 0:  # the group counts in once
+                wait_for_every_group(self.job_store, settings.replica_groups, timeout)
+            self.barrier()
 
     def process_dataloader(self, dataloader: object) -> object:
         """The training stream: at each step's start, the places of the global batch the step's quorum gives this
@@ -169,7 +196,8 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
 
     def start_step(self) -> tuple[int, range]:
         """Join the next step's quorum (after a restart, first load a live peer's state) and return the committed
-        step and this group's places in its global batch: the r-th of n equal shares, for place r in a quorum of n."""
+        step and this rank's places in its global batch: of the p-th of q equal shares (place p in a quorum of q),
+        the r-th of n equal parts (rank r of the group's n)."""
         start = time.perf_counter()
         self.manager.start_quorum()
         place, quorum = self.manager.participating_rank(), self.manager.num_participants()
@@ -182,8 +210,10 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         # TensorBoard's step for what this step logs; Lightning advanced it also after a step that did not commit
         self.lightning_module.trainer.fit_loop.epoch_loop._batches_that_stepped = self.manager.current_step()
         share = self.lightning_module.run_plan.global_batch_size // max(quorum, 1)
+        part = share // self.world_size
         # place None: not in the quorum, a step that cannot commit (fewer than min_replicas): any share will do
-        return self.manager.current_step(), range((place or 0) * share, ((place or 0) + 1) * share)
+        start = (place or 0) * share + self.global_rank * part
+        return self.manager.current_step(), range(start, start + part)
 
     def _check_rejoined(self) -> None:
         """After a restart, the first quorum must hold a live group to take the run's state from: alone, this
@@ -215,29 +245,26 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
 
     def average_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """One all-reduce of every gradient, flattened: the mean over the quorum's groups."""
+        """One all-reduce of this rank's gradient shards, flattened, with the same rank of the quorum's other groups:
+        the mean over the groups (FSDP2's reduce-scatter has averaged them over the group's ranks)."""
         params = [param for group in optimizer.param_groups for param in group["params"] if param.requires_grad]
-        grads = [param.grad if param.grad is not None else torch.zeros_like(param) for param in params]
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
-        self.manager.allreduce(flat).wait()
-        for param, part in zip(params, flat.split([grad.numel() for grad in grads])):
-            param.grad = part.view_as(param)
+        average_local_gradients(params, self.manager.allreduce)
 
     def _peer_state(self) -> dict[str, Any]:
         """What a restarted group needs to train on as this one: read between steps, while this group waits in the
         quorum."""
-        trainer = self.lightning_module.trainer
-        return {"model": self.lightning_module.state_dict(),
-                "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
+        trainer = self.lightning_module.trainer  # this rank's shards: the same rank of the other group takes them
+        return {"model": local_shards(self.lightning_module.state_dict()),
+                "optimizers": [local_shards(optimizer.state_dict()) for optimizer in trainer.optimizers],
                 "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]}
 
     def _load_peer_state(self, state: dict[str, Any]) -> None:
         rank_zero_info(f"replica group {replica_group()}: recovering with a live group's state at step "
                        f"{self.manager.current_step()}")
         trainer = self.lightning_module.trainer
-        self.lightning_module.load_state_dict(state["model"])
+        load_local_shards(self.lightning_module, state["model"])
         for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizers"]):
-            optimizer.load_state_dict(optimizer_state)
+            optimizer.load_state_dict(optimizer_state_on_mesh(optimizer, optimizer_state))
         for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["schedulers"]):
             config.scheduler.load_state_dict(scheduler_state)
         follow_committed_steps(trainer, self.manager.current_step(), self.lightning_module.run_plan.accumulation)
