@@ -111,6 +111,7 @@ class ModelFacts:
     block_input_bytes_per_sample: int  # one block's input for one sample, in the compute dtype
     samples_per_step: int  # the global batch
     units_per_sample: int  # tokens (or images) a sample counts for throughput
+    unit: str = "tokens"
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,7 @@ def model_facts(model: CohortModule, profile: NetworkProfile, plan: RunPlan) -> 
         blocks=blocks, parameter_bytes=plan.precision.parameter_dtype.itemsize,
         compute_bytes=plan.precision.compute_dtype.itemsize,
         block_input_bytes_per_sample=profile.block_input_bytes[0] // profile.micro_batch_size if blocks else 0,
-        samples_per_step=plan.global_batch_size, units_per_sample=plan.sequence_length)
+        samples_per_step=plan.global_batch_size, units_per_sample=plan.sequence_length, unit=plan.unit)
 
 
 def memory_bytes(profile: NetworkProfile, candidate: Candidate, device_type: str) -> int:
@@ -177,7 +177,7 @@ def device_memory_of(args: Namespace, device: torch.device, devices: int) -> tup
 def format_table(ranked: Sequence[Prediction], facts: ModelFacts, commands: Sequence[str]) -> str:
     """The best layouts, one row each with the command that runs it under it."""
     width = max(len(prediction.layout.describe()) for prediction in ranked)
-    lines = [f"{'#':>2}  {'layout':<{width}}  {'memory':>10}  {'step':>10}  {'tokens/s':>10}  where the time goes"]
+    lines = [f"{'#':>2}  {'layout':<{width}}  {'memory':>10}  {'step':>10}  {facts.unit + '/s':>10}  where the time goes"]
     for place, (prediction, command) in enumerate(zip(ranked, commands), start=1):
         total = prediction.step_seconds
         shares = ", ".join(f"{name} {seconds / total:.0%}" for name, seconds in prediction.parts.items()
@@ -188,16 +188,28 @@ def format_table(ranked: Sequence[Prediction], facts: ModelFacts, commands: Sequ
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> None:
-    args, fit_args = parser().parse_known_args(argv)
-    if args.devices < 1 or args.nodes < 1 or args.top < 1 or args.trials < 0 or args.steps < 2:
-        raise UserError(f"cohort plan: --devices {args.devices}, --nodes {args.nodes} and --top {args.top} must be at "
-                        f"least 1, --try {args.trials} at least 0 and --steps {args.steps} at least 2")
+@dataclass(frozen=True)
+class Ranking:
+    """What ``cohort plan`` found: the layouts that fit, fastest first, and where its constants came from."""
+
+    recipe: Recipe
+    facts: ModelFacts
+    layouts: int  # enumerated
+    ranked: list[Prediction]  # those that fit, fastest first
+    capacity: str  # the device memory and where it came from
+    speed: DeviceSpeed
+    link: Link
+    device_type: str
+
+
+def rank_layouts(args: Namespace, fit_args: list[str], speed: DeviceSpeed | None = None,
+                 link: Link | None = None) -> Ranking:
+    """The recipe's layouts on the cluster of ``args`` ranked; ``speed`` and ``link`` replace the probes if given."""
     recipe = read_recipe(fit_args, args.gpu is not None)
     template, model = recipe.template, recipe.model
     device_type = "cuda" if recipe.accelerator == "gpu" else "cpu"
     device = torch.device("cuda" if device_type == "cuda" and torch.cuda.is_available() else "cpu")
-    if device_type == "cuda" and device.type == "cpu" and args.gpu is None:
+    if device_type == "cuda" and device.type == "cpu" and args.gpu is None and speed is None:
         raise UserError("cohort plan: the recipe runs on GPUs and none is visible here: name it with --gpu (A100, "
                         "H100, H200) and give --bandwidth and --latency, or run cohort plan on a GPU node")
     capacity, capacity_source = device_memory_of(args, device, args.devices)
@@ -209,23 +221,41 @@ def main(argv: list[str]) -> None:
     if not fitting:
         raise refusal(recipe, profile, args.devices, args.nodes, capacity, device_type)
     facts = model_facts(model, profile, template)
-    speed = (stated_device(args.gpu, template.precision.compute_dtype) if args.gpu is not None
-             else probe_device(model, template.sequence_length, template.micro_batch_size, args.devices, device))
-    link = link_of(args, args.devices, args.nodes, device)
-    ranked = predictions(fitting, profile, facts, speed, link, device_type)
-    recipe_args = " ".join(fit_args)
-    runs = [fit_arguments(prediction.layout, recipe.accelerator, args.devices, args.nodes, template.precision.name)
-            for prediction in ranked[:max(args.top, args.trials)]]
-    print(f"cohort plan: {args.nodes} node(s) x {args.devices} device(s) ({device_type}), {template.precision.name}, "
-          f"{model.parameters_and_size()}; global batch {template.global_batch_size} x "
-          f"{template.sequence_length} {template.unit}\n"
-          f"{len(candidates)} layouts, {len(fitting)} fit in {format_bytes(capacity, 'GiB')} per device "
-          f"({capacity_source}); the best {min(args.top, len(ranked))}:")
-    print(format_table(ranked[:args.top], facts, [f"cohort fit {recipe_args} {' '.join(run)}" for run in runs]))
-    overlap = ("overlapped with compute where the strategy allows" if speed.overlaps_communication
+    if speed is None:
+        speed = (stated_device(args.gpu, template.precision.compute_dtype) if args.gpu is not None
+                 else probe_device(model, template.sequence_length, template.micro_batch_size, args.devices, device))
+    link = link or link_of(args, args.devices, args.nodes, device)
+    return Ranking(recipe, facts, len(candidates), predictions(fitting, profile, facts, speed, link, device_type),
+                   f"{format_bytes(capacity, 'GiB')} per device ({capacity_source})", speed, link, device_type)
+
+
+def fit_runs(ranking: Ranking, args: Namespace, count: int) -> list[list[str]]:
+    """The preset and overrides that run each of the best ``count`` layouts."""
+    template = ranking.recipe.template
+    return [fit_arguments(prediction.layout, ranking.recipe.accelerator, args.devices, args.nodes,
+                          template.precision.name) for prediction in ranking.ranked[:count]]
+
+
+def main(argv: list[str]) -> None:
+    args, fit_args = parser().parse_known_args(argv)
+    if args.devices < 1 or args.nodes < 1 or args.top < 1 or args.trials < 0 or args.steps < 2:
+        raise UserError(f"cohort plan: --devices {args.devices}, --nodes {args.nodes} and --top {args.top} must be at "
+                        f"least 1, --try {args.trials} at least 0 and --steps {args.steps} at least 2")
+    ranking = rank_layouts(args, fit_args)
+    template, facts, ranked = ranking.recipe.template, ranking.facts, ranking.ranked
+    runs = fit_runs(ranking, args, max(args.top, args.trials))
+    print(f"cohort plan: {args.nodes} node(s) x {args.devices} device(s) ({ranking.device_type}), "
+          f"{template.precision.name}, {ranking.recipe.model.parameters_and_size()}; global batch "
+          f"{template.global_batch_size} x {template.sequence_length} {template.unit}\n"
+          f"{ranking.layouts} layouts, {len(ranked)} fit in {ranking.capacity}; the best {min(args.top, len(ranked))}:")
+    print(format_table(ranked[:args.top], facts, [f"cohort fit {' '.join(fit_args)} {' '.join(run)}" for run in runs]))
+    overlap = ("overlapped with compute where the strategy allows" if ranking.speed.overlaps_communication
                else "not overlapped: the collectives' threads share the cores with the compute")
-    print(f"compute: {speed.source}\ncommunication: {link.source}; {overlap}\n"
+    print(f"compute: {ranking.speed.source}\ncommunication: {ranking.link.source}; {overlap}\n"
           "memory: cohort doctor's estimate (app/tools/memory.py)")
     if args.trials:
         from app.tools.plan_trials import try_layouts  # runs cohort fit: only when asked
-        try_layouts(fit_args, ranked[:args.trials], runs[:args.trials], facts, args.steps)
+        # sums taken in another order: float32 rounding; with a 16-bit compute dtype, one bfloat16 rounding step
+        tolerance = 1e-4 if template.precision.compute_dtype == torch.float32 else 2e-2
+        try_layouts(fit_args, ranked[:args.trials], runs[:args.trials], facts, args.steps, ranking.recipe.accelerator,
+                    tolerance)
