@@ -134,4 +134,4 @@ def test_a_layout_runs_with_the_preset_and_overrides_it_prints(recipe: plan.Reci
     strategy = config.trainer.strategy.init_args
     assert (strategy.pipeline_parallel_size, strategy.pipeline_schedule, strategy.pipeline_microbatches) == (2, "GPipe", 2)
     assert config.data.init_args.micro_batch_size == 8 and config.model.init_args.activation_checkpointing
-    assert replace(layout, activation_checkpointing=False).describe() == "PP pp2 GPipe m2 dp1 tp1 | micro 8 x 4"
+    assert replace(layout, activation_checkpointing=False).describe() == "PP pp2 GPipe m2 dp1 tp1, micro 8 x 4"

@@ -54,14 +54,14 @@ class Layout:
         return self.strategy in ("fsdp", "tp", "pipeline") and self.data_parallel > 1
 
     def describe(self) -> str:
-        """A short name for the table: ``FSDP2 dp2 tp1 | micro 8 x 2``."""
+        """A short name for the table: ``FSDP2 dp2, micro 8 x 2, AC`` (micro batch x accumulation, checkpointing)."""
         name = {"single": "one process", "ddp": f"DDP dp{self.data_parallel}",
                 "fsdp": f"FSDP2 dp{self.data_parallel}",
                 "tp": f"FSDP2 dp{self.data_parallel} TP tp{self.tensor_parallel}"}.get(self.strategy)
         if name is None:
             name = (f"PP pp{self.pipeline_parallel} {self.schedule} m{self.pipeline_microbatches} dp{self.data_parallel}"
                     f" tp{self.tensor_parallel}")
-        return f"{name} | micro {self.micro_batch_size} x {self.accumulation}{' | AC' if self.activation_checkpointing else ''}"
+        return f"{name}, micro {self.micro_batch_size} x {self.accumulation}{', AC' if self.activation_checkpointing else ''}"
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,11 @@ from constants measured here by short probes or stated (app/tools/plan_probes.py
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import re
+import textwrap
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,8 +54,12 @@ class Recipe:
 
 
 def parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="cohort plan", description=describe("plan") + " Any other argument is cohort fit's "
-                            "(-c RECIPE, -c PRESET, --data.global_batch_size ...), read as fit reads them.")
+    examples = __doc__.split("\n\n")[1]  # the module docstring's commands
+    description = describe("plan") + (" Any other argument is cohort fit's (-c RECIPE, -c PRESET, "
+                                       "--data.global_batch_size ...), read as fit reads them.")
+    parser = ArgumentParser(prog="cohort plan", description=textwrap.fill(description, 100),
+                            epilog=f"examples:\n{examples}\n\nREADME.md (Which layout?) shows what it prints.",
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=1, help="machines in the job (default 1)")
     parser.add_argument("--devices", type=int, default=1, help="devices (processes) per machine (default 1)")
     parser.add_argument("--device_memory", help="memory of one device, e.g. 80GiB (default: the visible GPU's; on a "

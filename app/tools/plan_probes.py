@@ -7,7 +7,8 @@ machine, or stated ones for a GPU that is not here.
   (app/observability/flops.py measured_peak_tflops) is reported beside it: a small model's matmuls run far below it.
   One AdamW step over the network's parameters gives the optimizer's seconds per parameter.
 - ``probe_link``: all-reduces of 4 KiB and 4 MiB between ``processes`` local processes over gloo (NCCL on GPUs),
-  timed as ``cohort comm`` times them: the small one is the latency, the difference the bandwidth.
+  timed as ``cohort comm`` times them, the fastest of 3 rounds: the small one is the latency, the difference the
+  bandwidth.
 - ``stated_device``: a GPU in app/observability/flops.py's data-sheet table, at its peak (an upper bound).
 """
 
@@ -52,7 +53,7 @@ def threads_per_process(processes_per_node: int) -> int:
 
 
 def time_step(model: CohortModule, network: torch.nn.Module, micro_batch_size: int, sequence_length: int,
-              device: torch.device, repeats: int = 3) -> float:
+              device: torch.device, repeats: int = 5) -> float:
     """The fastest of ``repeats`` forward and backward passes (after one to warm up): the least disturbed by others."""
     batch = model.example_batch(micro_batch_size, sequence_length, device)
     best = float("inf")
@@ -133,7 +134,8 @@ def link_probe_rank(rank: int, processes: int, use_gpu: bool, result: str, port:
     dist.init_process_group("nccl" if use_gpu else "gloo", rank=rank, world_size=processes,
                             timeout=timedelta(minutes=1))
     try:
-        times = [time_collective("all_reduce", size // 4, device, iterations=10, warmup=3)
+        # the fastest of 3 rounds of each: the least disturbed by other work on the machine
+        times = [min(time_collective("all_reduce", size // 4, device, iterations=10, warmup=3) for _ in range(3))
                  for size in (SMALL_MESSAGE, LARGE_MESSAGE)]
         if rank == 0:
             Path(result).write_text(" ".join(map(str, times)))

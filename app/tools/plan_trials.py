@@ -30,22 +30,24 @@ TRIAL = ["--trainer.log_every_n_steps", "1", "--monitor.every_n_steps", "1", "--
 
 
 def scalars(run_dir: Path, tag: str) -> list[float]:
-    """What the run in ``run_dir`` logged under ``tag``, in step order."""
-    events = EventAccumulator(str(run_dir / "lightning_logs" / "version_0"), size_guidance={"scalars": 0})
+    """What the run whose log folder is ``run_dir`` (lightning_logs/version_N) logged under ``tag``, in step order."""
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     events.Reload()
     return [event.value for event in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
 
 
 def run_fit(arguments: Sequence[str], steps: int, folder: Path) -> Path:
-    """``cohort fit`` with ``arguments`` for ``steps`` steps in ``folder``; a UserError with its last line if it fails."""
-    folder.mkdir(parents=True)
+    """``cohort fit`` with ``arguments`` for ``steps`` steps in ``folder`` (where the runs before it left the data
+    they built), returning its log folder; a UserError with its last line if it fails."""
+    logs = folder / "lightning_logs"
+    before = set(logs.glob("version_*"))
     result = subprocess.run([sys.executable, "-m", "app", "fit", *arguments, *TRIAL, "--trainer.max_steps", str(steps)],
                             cwd=folder, capture_output=True, text=True)
     if result.returncode != 0:
         last = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
         last = last.removeprefix("cohort: error: ").split(" (COHORT_TRACEBACK")[0]
         raise UserError(f"cohort plan --try: cohort fit {' '.join(arguments)} failed: {last}")
-    return folder
+    return (set(logs.glob("version_*")) - before).pop()
 
 
 def measured_step_seconds(run_dir: Path) -> float:
@@ -73,11 +75,11 @@ def try_layouts(fit_args: Sequence[str], ranked: Sequence[Prediction], runs: Seq
     """Run each of ``ranked`` (with its ``runs`` arguments after ``fit_args``) and one process, and print the table."""
     with tempfile.TemporaryDirectory(prefix="cohort-plan-") as folder:
         reference_preset = str(CONFIG_DIR / "trainer" / PRESETS[accelerator]["single"])
-        reference = run_fit([*absolute(fit_args), "-c", reference_preset], steps, Path(folder, "one_process"))
+        reference = run_fit([*absolute(fit_args), "-c", reference_preset], steps, Path(folder))
         reference_norms = scalars(reference, "train/grad_norm")
         rows = []
         for place, (prediction, run) in enumerate(zip(ranked, runs), start=1):
-            run_dir = run_fit([*absolute(fit_args), *absolute(run)], steps, Path(folder, f"layout{place}"))
+            run_dir = run_fit([*absolute(fit_args), *absolute(run)], steps, Path(folder))
             same = norms_agree(reference_norms, scalars(run_dir, "train/grad_norm"), tolerance)
             rows.append((place, prediction, measured_step_seconds(run_dir), same))
     print(f"\n--try {len(ranked)}: {steps} steps each (median of steps {WARMUP_STEPS + 1}-{steps}, the slowest rank's), "
