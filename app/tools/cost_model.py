@@ -57,7 +57,8 @@ class Layout:
         """A short name for the table: ``FSDP2 dp2, micro 8 x 2, AC`` (micro batch x accumulation, checkpointing)."""
         name = {"single": "one process", "ddp": f"DDP dp{self.data_parallel}",
                 "fsdp": f"FSDP2 dp{self.data_parallel}",
-                "tp": f"FSDP2 dp{self.data_parallel} TP tp{self.tensor_parallel}"}.get(self.strategy)
+                "tp": f"{f'FSDP2 dp{self.data_parallel} ' if self.data_parallel > 1 else ''}TP tp{self.tensor_parallel}"
+                }.get(self.strategy)
         if name is None:
             name = (f"PP pp{self.pipeline_parallel} {self.schedule} m{self.pipeline_microbatches} dp{self.data_parallel}"
                     f" tp{self.tensor_parallel}")

@@ -140,13 +140,13 @@ def refusal(recipe: Recipe, profile: NetworkProfile, devices: int, nodes: int, d
         larger = smallest_memory(recipe, profile, devices * factor, nodes, device_type)
         if larger is not None and larger[0] <= device_memory:
             return UserError(
-                f"cohort plan: no layout fits {cluster} of {format_bytes(device_memory, 'GiB')}: the smallest "
-                f"({layout}) needs {format_bytes(need, 'GiB')} per device; devices of at least that would fit, or "
-                f"{nodes} x {devices * factor} devices ({larger[1]}: {format_bytes(larger[0], 'GiB')})")
-    return UserError(f"cohort plan: the model is too large for devices of {format_bytes(device_memory, 'GiB')}: its "
-                     f"smallest layout on {cluster} ({layout}) needs {format_bytes(need, 'GiB')} per device and none "
+                f"cohort plan: no layout fits {cluster} of {format_bytes(device_memory)}: the smallest "
+                f"({layout}) needs {format_bytes(need)} per device; devices of at least that would fit, or "
+                f"{nodes} x {devices * factor} devices ({larger[1]}: {format_bytes(larger[0])})")
+    return UserError(f"cohort plan: the model is too large for devices of {format_bytes(device_memory)}: its "
+                     f"smallest layout on {cluster} ({layout}) needs {format_bytes(need)} per device and none "
                      f"on up to {LARGER_CLUSTERS[-1]}x the devices fits; use devices of at least "
-                     f"{format_bytes(need, 'GiB')}")
+                     f"{format_bytes(need)}")
 
 
 def parse_seconds(text: str) -> float:
