@@ -25,7 +25,6 @@ import torch
 from jsonargparse import Namespace
 
 from app.cli.commands import describe
-from app.cli.preflight import model_class
 from app.cli.run_plan_resolution import resolve_run_plan
 from app.tools.cost_model import DeviceSpeed, Link, ModelFacts, Prediction, predict, tokens_per_second
 from app.tools.doctor import DoctorCLI, instantiate_family
