@@ -8,6 +8,7 @@ own, one line each in app/cli/commands.py (``cohort --help`` prints them).
     cohort predict -c configs/quickstart.yaml --ckpt_path last              # generate text from it
     torchrun --nproc_per_node=2 -m app comm                                 # collective bandwidth (app/tools/comm.py)
     torchrun --nproc_per_node=2 -m app doctor -c ...                        # pre-flight checks (app/tools/doctor.py)
+    cohort plan -c configs/quickstart.yaml --devices 2                      # layouts ranked (app/tools/plan.py)
     cohort consolidate lightning_logs/version_0/checkpoints/last.ckpt       # sharded folder -> one file
     cohort export lightning_logs/version_0/checkpoints/last.ckpt --out hf    # -> a Hugging Face GPT-2 folder
 """
@@ -32,13 +33,15 @@ def main(args: list[str] | None = None) -> None:
                  "(cohort --help says what each does)")
     # imported only here, so that the overview and the error above come without loading torch and Lightning
     from app.cli.lightning_cli import run_cli, run_reporting_errors
-    from app.tools import comm, consolidate, doctor, export
+    from app.tools import comm, consolidate, doctor, export, plan
     from datamodules import prepare
 
     if command == "comm":
         return run_reporting_errors(comm.main, argv[1:])
     if command == "doctor":
         return run_reporting_errors(doctor.main, argv[1:])
+    if command == "plan":
+        return run_reporting_errors(plan.main, argv[1:])
     if command == "consolidate":
         return run_reporting_errors(consolidate.main, argv[1:])
     if command == "export":

@@ -20,7 +20,7 @@ from app.__main__ import main
 from app.cli.commands import COMMANDS, LIGHTNING_COMMANDS, help_text
 from tests.helpers import REPO_ROOT, one_line_error
 
-EVERY_COMMAND = ["fit", "validate", "test", "predict", "prepare", "doctor", "comm", "consolidate", "export"]
+EVERY_COMMAND = ["fit", "validate", "test", "predict", "prepare", "doctor", "plan", "comm", "consolidate", "export"]
 
 
 def without_spaces(text: str) -> str:

@@ -1,0 +1,170 @@
+"""The step time of a layout, predicted from measured or stated constants: what ``cohort plan`` ranks layouts by.
+
+Per optimizer step on one rank, with a = accumulation micro-batches of b samples, t tensor-parallel, p pipeline and
+d data-parallel ranks (n = d for the data-parallel collectives), F the model's training FLOPs per sample (counted by
+torch, ``CohortModule.flops_per_sample``) and R the device's throughput:
+
+    compute     a x (b x F x (1 + 1/3 with activation checkpointing: the blocks' forward again) / (t x p) / R
+                     + o x calls)                       o: fixed time of one forward and backward (launches, Python),
+                                                        calls: m / p per micro batch under a pipeline of m, else 1
+    optimizer   local parameters x s                    s: AdamW's seconds per parameter (measured)
+    data par.   DDP: all-reduce of the gradients once per step; FSDP2: per micro batch an all-gather of the
+                parameters for forward, another for backward and a reduce-scatter of the gradients, one message
+                per block; a ring collective of S bytes over n ranks takes (n - 1) x (latency + S / (n x bandwidth)),
+                twice that for an all-reduce (nccl-tests' bus-bandwidth arithmetic)
+    tensor par. per micro batch and block: 2 all-reduces of the block's input in forward, 2 in backward (3 and 3
+                with checkpointing), over t ranks
+    pipeline    per pipeline micro-batch and stage a rank runs: one send of the activations, one of their gradients
+    bubble      compute inside the schedule x idle / (1 - idle), idle = the schedule's theory
+                (models/parallel/pipeline.py theoretical_bubble, core/pipeline_schedules.py)
+
+Communication overlaps compute only where the device lets it: on a GPU DDP's and FSDP2's collectives run on their
+own stream behind the backward (exposed: what exceeds the compute); on a CPU gloo's threads compete for the same
+cores as the compute, so nothing is hidden. Where each constant came from travels with it (``source``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb: one all-reduce per bucket
+CHECKPOINTING_EXTRA = 1 / 3  # the blocks' forward again, a third of forward + backward (backward is twice forward)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the recipe: the sizes, the schedule and the batch split. ``strategy`` is "single", "ddp",
+    "fsdp" (FSDP2: ModelParallelStrategy's data_parallel_size), "tp" (ModelParallelStrategy with tensor parallel)
+    or "pipeline" (PipelineParallelStrategy, with FSDP2 and tensor parallel inside each stage)."""
+
+    strategy: str
+    data_parallel: int
+    tensor_parallel: int
+    pipeline_parallel: int
+    micro_batch_size: int
+    accumulation: int
+    activation_checkpointing: bool = False
+    schedule: str = ""
+    pipeline_microbatches: int = 1
+    stages_per_rank: int = 1
+
+    @property
+    def sharded(self) -> bool:
+        """Whether parameters are sharded over the data-parallel ranks (FSDP2 under ModelParallelStrategy)."""
+        return self.strategy in ("fsdp", "tp", "pipeline") and self.data_parallel > 1
+
+    def describe(self) -> str:
+        """A short name for the table: ``FSDP2 dp2, micro 8 x 2, AC`` (micro batch x accumulation, checkpointing)."""
+        name = {"single": "one process", "ddp": f"DDP dp{self.data_parallel}",
+                "fsdp": f"FSDP2 dp{self.data_parallel}",
+                "tp": f"{f'FSDP2 dp{self.data_parallel} ' if self.data_parallel > 1 else ''}TP tp{self.tensor_parallel}"
+                }.get(self.strategy)
+        if name is None:
+            name = (f"PP pp{self.pipeline_parallel} {self.schedule} m{self.pipeline_microbatches} dp{self.data_parallel}"
+                    f" tp{self.tensor_parallel}")
+        return f"{name}, micro {self.micro_batch_size} x {self.accumulation}{', AC' if self.activation_checkpointing else ''}"
+
+
+@dataclass(frozen=True)
+class DeviceSpeed:
+    """How fast one device (one process's share of it) computes: ``flops_per_second`` on the model's own step, the
+    fixed ``call_overhead_s`` of one forward and backward beyond it, AdamW's ``optimizer_s_per_parameter``."""
+
+    flops_per_second: float
+    call_overhead_s: float
+    optimizer_s_per_parameter: float
+    overlaps_communication: bool  # a GPU's collectives run beside the compute; a CPU's share its cores
+    source: str
+
+
+@dataclass(frozen=True)
+class Link:
+    """The interconnect between ranks: per-rank ``bandwidth`` in bytes/s (nccl-tests' bus bandwidth) and the
+    ``latency`` of one message in seconds."""
+
+    bandwidth: float
+    latency: float
+    source: str
+
+    def ring(self, size: int, ranks: int, messages: int = 1) -> float:
+        """Seconds of an all-gather or reduce-scatter of ``size`` bytes in all over ``ranks``, sent as ``messages``."""
+        if ranks == 1:
+            return 0.0
+        return (ranks - 1) * (messages * self.latency + size / (ranks * self.bandwidth))
+
+    def all_reduce(self, size: int, ranks: int, messages: int = 1) -> float:
+        """A reduce-scatter and an all-gather."""
+        return 2 * self.ring(size, ranks, messages)
+
+    def send(self, size: int) -> float:
+        return self.latency + size / self.bandwidth
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the cost model needs to know of the network, counted on the meta device."""
+
+    flops_per_sample: float  # training (forward + backward) FLOPs of one sample
+    parameters: int
+    blocks: int
+    parameter_bytes: int  # bytes of one parameter (its dtype) and of one gradient
+    compute_bytes: int  # bytes of one activation element in the compute dtype
+    block_input_bytes_per_sample: int  # one block's input for one sample, in the compute dtype
+    samples_per_step: int  # the global batch
+    units_per_sample: int  # tokens (or images) a sample counts for throughput
+    unit: str = "tokens"
+
+
+@dataclass(frozen=True)
+class Prediction:
+    layout: Layout
+    memory_bytes: int
+    parts: dict[str, float] = field(default_factory=dict)  # seconds by where they go, per optimizer step
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(self.parts.values())
+
+
+def predict(layout: Layout, model: ModelFacts, device: DeviceSpeed, link: Link, bubble_share: float,
+            memory_bytes: int) -> Prediction:
+    """The step time of ``layout`` by part, per the module docstring; ``bubble_share`` is the schedule's idle share
+    (0 without a pipeline)."""
+    d, t, p = layout.data_parallel, layout.tensor_parallel, layout.pipeline_parallel
+    b, a = layout.micro_batch_size, layout.accumulation
+    recompute = CHECKPOINTING_EXTRA if layout.activation_checkpointing else 0.0
+    calls = layout.pipeline_microbatches * layout.stages_per_rank / p if p > 1 else 1
+    per_micro_batch = (b * model.flops_per_sample * (1 + recompute) / (t * p) / device.flops_per_second
+                       + device.call_overhead_s * calls * (1 + recompute))
+    compute = a * per_micro_batch
+    local_parameters = model.parameters / (t * p) / (d if layout.sharded else 1)
+    parts = {"compute": compute, "optimizer": local_parameters * device.optimizer_s_per_parameter}
+
+    stage_parameter_bytes = model.parameters * model.parameter_bytes // (t * p)
+    blocks_here = max(1, model.blocks // p)
+    if layout.strategy == "ddp":
+        buckets = math.ceil(stage_parameter_bytes / DDP_BUCKET_BYTES)
+        data_parallel = link.all_reduce(stage_parameter_bytes, d, buckets)
+    elif layout.sharded:
+        gathered = model.parameters * model.compute_bytes // (t * p)
+        units = blocks_here + 1  # each block, and the root's parameters outside them
+        data_parallel = a * (2 * link.ring(gathered, d, units) + link.ring(stage_parameter_bytes, d, units))
+    else:
+        data_parallel = 0.0
+    if device.overlaps_communication:
+        data_parallel = max(0.0, data_parallel - compute)
+    parts["data-parallel comm"] = data_parallel
+
+    activation = b * model.block_input_bytes_per_sample
+    if t > 1:
+        all_reduces = (4 + 2 * (recompute > 0)) * blocks_here
+        parts["tensor-parallel comm"] = a * link.all_reduce(activation, t, all_reduces)
+    if p > 1:
+        sends = 2 * layout.pipeline_microbatches * layout.stages_per_rank
+        parts["pipeline comm"] = a * sends * link.send(activation // layout.pipeline_microbatches)
+        parts["bubble"] = compute * bubble_share / (1 - bubble_share)
+    return Prediction(layout, memory_bytes, parts)
+
+
+def tokens_per_second(prediction: Prediction, model: ModelFacts) -> float:
+    return model.samples_per_step * model.units_per_sample / prediction.step_seconds

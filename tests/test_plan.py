@@ -1,0 +1,137 @@
+"""``cohort plan``: the layouts it enumerates (what the run plan and the family accept, nothing else), the memory
+filter, the cost model's arithmetic on a case worked by hand, the one-line refusals and the table it prints. The
+probes are replaced by stated constants, so that nothing here depends on this machine's speed."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from jsonargparse import Namespace
+
+from app.tools import plan
+from app.tools.cost_model import DeviceSpeed, Layout, Link, ModelFacts, predict
+from app.tools.layouts import divisors, enumerate_layouts, splits
+from tests.helpers import QUICKSTART, one_line_error
+
+SPEED = DeviceSpeed(flops_per_second=1e10, call_overhead_s=1e-3, optimizer_s_per_parameter=1e-8,
+                    overlaps_communication=False, source="stated for the test")
+LINK = Link(bandwidth=1e9, latency=1e-4, source="stated for the test")
+
+
+@pytest.fixture(scope="module")
+def recipe_args(debug_run_args: list[str]) -> list[str]:
+    return [*QUICKSTART, *debug_run_args]
+
+
+@pytest.fixture(scope="module")
+def recipe(recipe_args: list[str]) -> plan.Recipe:
+    return plan.read_recipe(recipe_args, gpu=False)
+
+
+def options(**given: object) -> Namespace:
+    return Namespace(**{"devices": 2, "nodes": 1, "gpu": None, "device_memory": "8GiB", "bandwidth": None,
+                        "latency": None, **given})
+
+
+def test_splits_multiply_to_the_world_size() -> None:
+    assert sorted(splits(4)) == [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]
+    assert divisors(12) == [1, 2, 3, 4, 6, 12]
+
+
+def test_enumeration_keeps_what_the_run_plan_and_the_family_accept(recipe: plan.Recipe) -> None:
+    """The debug GPT (2 blocks, 2 heads) on 2 and 4 processes: every strategy where it can run, each batch split
+    whole, no interleaved schedule (4 stages for 2 blocks), no tensor parallelism over 4 (2 heads)."""
+    model = type(recipe.model)
+    two = enumerate_layouts(recipe.template, 2, 1, model, recipe.config.model.init_args, recipe.config.data.init_args)
+    layouts = [candidate.layout for candidate in two]
+    assert {layout.strategy for layout in layouts} == {"ddp", "fsdp", "tp", "pipeline"}
+    assert {layout.schedule for layout in layouts if layout.strategy == "pipeline"} == {"GPipe", "1F1B"}
+    for candidate in two:
+        layout = candidate.layout
+        assert layout.micro_batch_size * layout.data_parallel * layout.accumulation == 32
+        assert layout.data_parallel * layout.tensor_parallel * layout.pipeline_parallel == candidate.plan.world_size == 2
+    assert {layout.activation_checkpointing for layout in layouts} == {False, True}
+    four = enumerate_layouts(recipe.template, 4, 1, model, recipe.config.model.init_args, recipe.config.data.init_args)
+    assert four and max(candidate.layout.tensor_parallel for candidate in four) == 2
+    assert max(candidate.layout.pipeline_parallel for candidate in four) == 2  # a stage needs a block
+
+
+def test_the_cost_model_on_a_case_worked_by_hand() -> None:
+    facts = ModelFacts(flops_per_sample=1e9, parameters=10**6, blocks=2, parameter_bytes=4, compute_bytes=4,
+                       block_input_bytes_per_sample=1000, samples_per_step=32, units_per_sample=64)
+    ddp = predict(Layout("ddp", 2, 1, 1, micro_batch_size=8, accumulation=2), facts, SPEED, LINK, 0.0, 0)
+    # compute 2 x (8 x 1e9 / 1e10 + 1e-3) = 1.602 s; AdamW 1e6 x 1e-8; one all-reduce of 4 MB in one bucket over 2
+    # ranks: 2 x 1 x (1e-4 + 4e6 / (2 x 1e9))
+    assert ddp.parts == pytest.approx({"compute": 1.602, "optimizer": 0.01, "data-parallel comm": 2 * (1e-4 + 2e-3)})
+    fsdp = predict(Layout("fsdp", 2, 1, 1, 8, 2), facts, SPEED, LINK, 0.0, 0)
+    # per micro batch: 2 all-gathers and a reduce-scatter of 4 MB in 3 messages (2 blocks and the root), sharded state
+    assert fsdp.parts["data-parallel comm"] == pytest.approx(2 * 3 * (3e-4 + 2e-3))
+    assert fsdp.parts["optimizer"] == pytest.approx(0.005)
+    one_f_one_b = predict(Layout("pipeline", 1, 1, 2, 8, 4, schedule="1F1B", pipeline_microbatches=4), facts, SPEED,
+                          LINK, 1 / 5, 0)  # (p - 1) / (m + p - 1)
+    compute = 4 * (8 * 1e9 / 2 / 1e10 + 1e-3 * 4 / 2)
+    assert one_f_one_b.parts["compute"] == pytest.approx(compute)
+    assert one_f_one_b.parts["bubble"] == pytest.approx(compute / 4)
+    # per micro batch 2 x 4 sends of 2 samples' block input (2000 bytes)
+    assert one_f_one_b.parts["pipeline comm"] == pytest.approx(4 * 8 * (1e-4 + 2000 / 1e9))
+    checkpointed = predict(Layout("tp", 1, 2, 1, 16, 2, activation_checkpointing=True), facts, SPEED, LINK, 0.0, 0)
+    assert checkpointed.parts["compute"] == pytest.approx(2 * (16 * 1e9 * 4 / 3 / 2 / 1e10 + 1e-3 * 4 / 3))
+    # 6 all-reduces of 16 samples' block input per block with checkpointing, 2 blocks
+    assert checkpointed.parts["tensor-parallel comm"] == pytest.approx(2 * 2 * (12 * 1e-4 + 16000 / 2e9))
+
+
+def test_only_layouts_that_fit_are_ranked_fastest_first(recipe_args: list[str], recipe: plan.Recipe) -> None:
+    everything = plan.rank_layouts(options(), recipe_args, SPEED, LINK)
+    memories = sorted(prediction.memory_bytes for prediction in everything.ranked)
+    limit = memories[len(memories) // 2]
+    some = plan.rank_layouts(options(device_memory=str(limit)), recipe_args, SPEED, LINK)
+    assert 0 < len(some.ranked) < len(everything.ranked) == everything.layouts
+    assert all(prediction.memory_bytes <= limit for prediction in some.ranked)
+    times = [prediction.step_seconds for prediction in some.ranked]
+    assert times == sorted(times) and all(math.isfinite(time) for time in times)
+
+
+def test_a_cluster_no_layout_fits_gets_one_line_saying_what_would(recipe_args: list[str], recipe: plan.Recipe,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    profile = plan.profile_network(recipe.model.plain_network, plan.module_step_loss(recipe.model, 64), 16,
+                                   "32-true", "cpu")
+    need_on_two, _ = plan.smallest_memory(recipe, profile, 2, 1, "cpu")
+    need_on_four, _ = plan.smallest_memory(recipe, profile, 4, 1, "cpu")
+    assert need_on_four < need_on_two
+    between = (need_on_four + need_on_two) // 2
+    line = one_line_error(["plan", *recipe_args, "--devices", "2", "--device_memory", str(between)], monkeypatch)
+    assert "no layout fits 1 node(s) x 2 device(s)" in line and "or 1 x 4 devices" in line, line
+    line = one_line_error(["plan", *recipe_args, "--devices", "2", "--device_memory", "1KiB"], monkeypatch)
+    assert "the model is too large for devices of" in line and "none on up to 64x the devices fits" in line, line
+    line = one_line_error(["plan", *recipe_args, "--devices", "2", "--bandwidth", "1GB/s"], monkeypatch)
+    assert "give --bandwidth and --latency together" in line
+
+
+def test_the_table_names_each_layout_its_time_and_the_command_that_runs_it(
+        recipe_args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(plan, "probe_device", lambda *args: SPEED)
+    monkeypatch.setattr(plan, "probe_link", lambda *args: LINK)
+    plan.main([*recipe_args, "--devices", "2", "--top", "3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("cohort plan: 1 node(s) x 2 device(s) (cpu), 32-true")
+    assert "layouts," in lines[1] and lines[1].endswith("the best 3:")
+    rows, commands = lines[3:9:2], lines[4:9:2]
+    assert [row.split()[0] for row in rows] == ["1", "2", "3"] and all(" ms " in row and "compute" in row for row in rows)
+    assert all(command.strip().startswith(f"cohort fit {' '.join(recipe_args)} -c configs/trainer/")
+               for command in commands)
+    assert lines[9] == "compute: stated for the test" and lines[10].startswith("communication: stated for the test")
+
+
+def test_a_layout_runs_with_the_preset_and_overrides_it_prints(recipe: plan.Recipe) -> None:
+    """The arguments of a pipeline layout, parsed as fit parses them, resolve to that layout's run plan."""
+    layout = Layout("pipeline", 1, 1, 2, 8, 4, activation_checkpointing=True, schedule="GPipe",
+                    pipeline_microbatches=2)
+    arguments = plan.fit_arguments(layout, "cpu", 2, 1, "32-true")
+    assert arguments[:2] == ["-c", "configs/trainer/pipeline_cpu.yaml"]
+    config = plan.DoctorCLI([*QUICKSTART, *arguments, "--model.model_name", "debug"]).config
+    strategy = config.trainer.strategy.init_args
+    assert (strategy.pipeline_parallel_size, strategy.pipeline_schedule, strategy.pipeline_microbatches) == (2, "GPipe", 2)
+    assert config.data.init_args.micro_batch_size == 8 and config.model.init_args.activation_checkpointing
+    assert replace(layout, activation_checkpointing=False).describe() == "PP pp2 GPipe m2 dp1 tp1, micro 8 x 4"
