@@ -19,12 +19,14 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from app.safety.checkpoint_reading import load_checkpoint
 from app.safety.checkpoint_writing import check_writes_in_background, non_finite_tensors
-from app.safety.optimizer_state_keys import optimizer_state_by_name, optimizer_state_by_position, parameter_names
+from app.safety.optimizer_state_keys import (
+    name_optimizer_states, optimizer_state_by_name, optimizer_state_by_position, parameter_names,
+)
 from core.errors import UserError
 from models.gpt.family import GPTLanguageModel, build_gpt
 from models.gpt.network import gpt_config
@@ -178,7 +180,8 @@ def test_optimizer_state_goes_by_parameter_name_into_another_parameter_order() -
     wrapped(torch.randint(0, 256, (2, 8))).sum().backward()
     optimizer.step()
     names = parameter_names(wrapped)
-    by_name = optimizer_state_by_name(optimizer.state_dict(), optimizer, names)
+    by_name = optimizer_state_by_name(optimizer.state_dict(), [names[id(param)] for group in optimizer.param_groups
+                                                                for param in group["params"]])
     plain = build_gpt(gpt_config("debug"), torch.device("cpu"), seed=0)
     assert set(by_name["state"]) == {name for name, _ in plain.named_parameters()}
     reversed_groups = [{**group, "params": group["params"][::-1]} for group in weight_decay_groups(plain, 0.1)]
@@ -187,6 +190,29 @@ def test_optimizer_state_goes_by_parameter_name_into_another_parameter_order() -
     moments = {names[id(param)]: state["exp_avg"] for param, state in optimizer.state.items()}
     for name, param in plain.named_parameters():
         assert torch.equal(other.state[param]["exp_avg"], moments[name]), name
+
+
+def test_model_parallel_one_file_optimizer_state_is_named_in_the_networks_order() -> None:
+    """ModelParallelStrategy's one file (save_distributed_checkpoint false) numbers the parameters in the network's
+    order (FSDP.rekey_optim_state_dict), not the optimizer's, whose weight-decay groups put them in another: each
+    name gets its own parameter's moments."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+    network = build_gpt(gpt_config("debug"), torch.device("cpu"), seed=0)
+    optimizer = torch.optim.AdamW(weight_decay_groups(network, 0.1))
+    network(torch.randint(0, 256, (2, 8))).sum().backward()
+    optimizer.step()
+    grouped = [id(param) for group in optimizer.param_groups for param in group["params"]]
+    assert grouped != [id(param) for param in network.parameters()]  # else the test could not tell them apart
+    numbered = FullyShardedDataParallel.rekey_optim_state_dict(get_optimizer_state_dict(network, optimizer),
+                                                               OptimStateKeyType.PARAM_ID, network)
+    trainer = SimpleNamespace(strategy=ModelParallelStrategy(), lightning_module=network, optimizers=[optimizer])
+    checkpoint = {"optimizer_states": [numbered]}
+    name_optimizer_states(trainer, checkpoint)
+    named = checkpoint["optimizer_states"][0]["state"]
+    for name, param in network.named_parameters():
+        assert torch.equal(named[name]["exp_avg"], optimizer.state[param]["exp_avg"]), name
 
 
 def hold_writes(steps: int) -> list[str]:

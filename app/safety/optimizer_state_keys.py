@@ -22,7 +22,17 @@ def name_optimizer_states(trainer: L.Trainer, checkpoint: dict[str, Any]) -> Non
     states = checkpoint.get("optimizer_states", [])
     for index, optimizer in enumerate(trainer.optimizers[: len(states)]):
         if keyed_by_position(states[index]):
-            states[index] = optimizer_state_by_name(states[index], optimizer, names)
+            numbered = [names[id(p)] for p in numbered_parameters(trainer, optimizer)]
+            states[index] = optimizer_state_by_name(states[index], numbered)
+
+
+def numbered_parameters(trainer: L.Trainer, optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """The parameters in the order a saved optimizer state numbers them: torch's optimizer numbers them in its
+    param groups' order (the weight-decay groups), ModelParallelStrategy's one file (save_distributed_checkpoint
+    false) in the network's (FSDP.rekey_optim_state_dict)."""
+    if isinstance(trainer.strategy, ModelParallelStrategy):
+        return list(trainer.lightning_module.parameters())
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def number_optimizer_states(trainer: L.Trainer, checkpoint: dict[str, Any]) -> None:
@@ -51,9 +61,8 @@ def keyed_by_position(optimizer_state: dict[str, Any]) -> bool:
     return any(isinstance(params, int) for group in groups for params in group["params"])
 
 
-def optimizer_state_by_name(state: dict[str, Any], optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
-    """A torch optimizer state dict (parameters numbered in param-group order) with parameter names instead."""
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+def optimizer_state_by_name(state: dict[str, Any], order: list[str]) -> dict[str, Any]:
+    """A torch optimizer state dict (parameters numbered in ``order``) with parameter names instead."""
     return {
         "state": {order[position]: value for position, value in state["state"].items()},
         "param_groups": [{**group, "params": [order[position] for position in group["params"]]}

@@ -51,7 +51,6 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
@@ -115,16 +114,6 @@ class FaultTolerantStrategy(ModelParallelStrategy):
 
     def _configure_launcher(self) -> None:
         self._launcher = None if replica_group() is not None else ReplicaGroupsLauncher(self.settings)
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The whole optimizer state (on rank 0) keyed by parameter name, as torch's state-dict API gives it: not
-        ModelParallelStrategy's, which numbers the parameters in the network's order, where the optimizer's (its
-        weight-decay groups) is another, so that the checkpoint's names would be wrong."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        plain = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return get_optimizer_state_dict(self.model, plain,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     # ----- in a group's process -----
     def setup_environment(self) -> None:
