@@ -5,7 +5,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 rm -f .coverage .coverage.*
-python -m coverage run -m pytest "$@"
+# -n 0: the tests in this process, one after another (no pytest-xdist workers), as the README's figure was measured
+python -m coverage run -m pytest -n 0 "$@"
 tests=$?
 python -m coverage combine --quiet && python -m coverage report --sort cover
 exit $tests

@@ -8,6 +8,19 @@ from datamodules.prepare import prepare_corpus, stdlib_source_files
 from tests.helpers import COMPARABLE_RUN, DDP_2, batch_sizes, fit, fit_in_process, last_checkpoint
 
 
+# The files whose tests take longest, in pytest-xdist's queue first (pyproject.toml: each worker takes whole files, in
+# collection order): left in alphabetical order, the real-SLURM file came last and kept one worker busy for two
+# minutes while the other had nothing left to do.
+LONGEST_FIRST = ("test_slurm.py", "test_launch.py", "test_fault_tolerance.py", "test_families.py", "test_pipeline.py",
+                 "test_parallelize.py", "test_pretrained.py", "test_precision.py", "test_parameter_server.py",
+                 "test_disk_full.py", "test_hybrid_sharding.py", "test_load_from_checkpoint.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST
+               else len(LONGEST_FIRST))
+
+
 @pytest.fixture(scope="session")
 def byte_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small byte-level corpus (about 1 MB of stdlib source) in train.bin / val.bin."""

@@ -21,6 +21,9 @@ from models.parallel.parallelize import check_tensor_parallel_size, clip_grad_no
 from tests.helpers import free_port
 
 CONFIG = GPT_CONFIGS["debug"]
+# the ranks forked from tests/processes.py's server, which has imported torch and run nothing (spawn's fresh
+# interpreters each import torch again: about 5 s of CPU a rank)
+FORKED = "forkserver"
 SEED = 5
 MAX_NORM = 0.1
 
@@ -75,7 +78,8 @@ def mesh_report(request: pytest.FixtureRequest) -> tuple[tuple[int, int], dict]:
     report = mp.Manager().dict()
     world_size = data_parallel * tensor_parallel
     try:
-        mp.spawn(check_on_mesh, args=(free_port(), data_parallel, tensor_parallel, report), nprocs=world_size)
+        mp.start_processes(check_on_mesh, args=(free_port(), data_parallel, tensor_parallel, report), nprocs=world_size,
+                           start_method=FORKED)
     except mp.ProcessExitedException as error:
         # gloo's threads can still abort a rank as it tears down ("terminate called without an active exception",
         # seen twice in CI, after the barrier; pytorch/pytorch#179291): what every rank reported before stands
@@ -135,7 +139,7 @@ def test_clipping_under_fsdp1_uses_the_norm_of_the_whole_model() -> None:
     """FSDPStrategy (GPU only in Lightning) leaves norm clipping to us: each rank holds a shard of every gradient,
     so the norm must be summed over ranks by the FSDP root, not taken from the local shard."""
     report = mp.Manager().dict()
-    mp.spawn(clip_under_fsdp1, args=(free_port(), report), nprocs=2)
+    mp.start_processes(clip_under_fsdp1, args=(free_port(), report), nprocs=2, start_method=FORKED)
     for rank in (0, 1):
         assert report[rank]["sharded"] == pytest.approx(report[rank]["reference"], rel=1e-5)
         assert report[rank]["sharded"] > 2 * MAX_NORM
