@@ -13,6 +13,7 @@ from models.gpt.family import GPTLanguageModel
 from models.interchange import HuggingFaceAdapter
 from models.llama.family import LlamaLanguageModel
 from models.module import CohortModule
+from models.moe.family import MoELanguageModel
 from models.resnet.family import ImageClassifier
 
 
@@ -45,6 +46,7 @@ class Family:
 FAMILIES = (
     Family("gpt", GPTLanguageModel, "GPT-2's architecture, trained to predict the next token"),
     Family("llama", LlamaLanguageModel, "Llama's architecture, trained to predict the next token"),
+    Family("moe", MoELanguageModel, "a mixture of experts (Mixtral's, Qwen3-MoE's architecture), next token"),
     Family("bert", BertMaskedLanguageModel, "BERT, pretrained as a masked language model"),
     Family("resnet", ImageClassifier, "a ResNet that classifies images"),
 )

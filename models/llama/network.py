@@ -153,12 +153,14 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
+    block_class: type[nn.Module] = Block  # a decoder of Llama's shape with other blocks (models/moe/) sets its own
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
         # keyed "0", "1", ...: a pipeline stage drops the other stages' blocks without renumbering its own
-        self.layers = nn.ModuleDict({str(index): Block(config) for index in range(config.n_layer)})
+        self.layers = nn.ModuleDict({str(index): self.block_class(config) for index in range(config.n_layer)})
         self.norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
