@@ -69,7 +69,8 @@ def chosen_layouts(ranking: Ranking, micro_batch_sizes: list[int], schedules: li
 
 def measure_recipe(name: str, arguments: list[str], micro_batch_sizes: list[int], schedules: list[str],
                    steps: int, rounds: int) -> None:
-    args = Namespace(devices=2, nodes=1, gpu=None, device_memory=None, bandwidth=None, latency=None)
+    args = Namespace(devices=2, nodes=1, gpu=None, device_memory=None, bandwidth=None, latency=None,
+                     node_bandwidth=None, node_latency=None)
     wait_for_quiet()
     ranking = rank_layouts(args, arguments)
     chosen = chosen_layouts(ranking, micro_batch_sizes, schedules)
@@ -94,7 +95,7 @@ def measure_recipe(name: str, arguments: list[str], micro_batch_sizes: list[int]
     error = sum(abs(p - m) / m for p, m in zip(predicted, measured)) / len(rows)
     best = min(measured)
     print(f"\n### {name}: {' '.join(arguments)}, 2 processes, {steps} steps each\n")
-    print(f"compute: {ranking.speed.source}  \ncommunication: {ranking.link.source}\n")
+    print(f"compute: {ranking.speed.source}  \ncommunication: {ranking.communication_source()}\n")
     print("| planner's rank | layout | memory (estimate) | predicted | measured | error |\n|---|---|---|---|---|---|")
     for (prediction, seconds), index in sorted(zip(rows, chosen), key=lambda row: row[0][1]):
         print(f"| {index + 1} | {prediction.layout.describe()} | {prediction.memory_bytes / 2**20:.1f} MiB | "

@@ -11,13 +11,14 @@ import pytest
 from jsonargparse import Namespace
 
 from app.tools import plan
-from app.tools.cost_model import DeviceSpeed, Layout, Link, ModelFacts, predict
+from app.tools.cost_model import DeviceSpeed, Layout, Link, Links, ModelFacts, predict
 from app.tools.layouts import divisors, enumerate_layouts, splits
 from tests.helpers import QUICKSTART, one_line_error
 
 SPEED = DeviceSpeed(flops_per_second=1e10, call_overhead_s=1e-3, optimizer_s_per_parameter=1e-8,
                     overlaps_communication=False, source="stated for the test")
 LINK = Link(bandwidth=1e9, latency=1e-4, source="stated for the test")
+LINKS = Links(LINK, LINK, devices_per_node=2)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def recipe(recipe_args: list[str]) -> plan.Recipe:
 
 def options(**given: object) -> Namespace:
     return Namespace(**{"devices": 2, "nodes": 1, "gpu": None, "device_memory": "8GiB", "bandwidth": None,
-                        "latency": None, **given})
+                        "latency": None, "node_bandwidth": None, "node_latency": None, **given})
 
 
 def test_splits_multiply_to_the_world_size() -> None:
@@ -61,32 +62,33 @@ def test_enumeration_keeps_what_the_run_plan_and_the_family_accept(recipe: plan.
 def test_the_cost_model_on_a_case_worked_by_hand() -> None:
     facts = ModelFacts(flops_per_sample=1e9, parameters=10**6, blocks=2, parameter_bytes=4, compute_bytes=4,
                        block_input_bytes_per_sample=1000, samples_per_step=32, units_per_sample=64)
-    ddp = predict(Layout("ddp", 2, 1, 1, micro_batch_size=8, accumulation=2), facts, SPEED, LINK, 0.0, 0)
+    ddp = predict(Layout("ddp", 2, 1, 1, micro_batch_size=8, accumulation=2), facts, SPEED, LINKS, 0.0, 0)
     # compute 2 x (8 x 1e9 / 1e10 + 1e-3) = 1.602 s; AdamW 1e6 x 1e-8; one all-reduce of 4 MB in one bucket over 2
     # ranks: 2 x 1 x (1e-4 + 4e6 / (2 x 1e9))
     assert ddp.parts == pytest.approx({"compute": 1.602, "optimizer": 0.01, "data-parallel comm": 2 * (1e-4 + 2e-3)})
-    fsdp = predict(Layout("fsdp", 2, 1, 1, 8, 2), facts, SPEED, LINK, 0.0, 0)
-    # per micro batch: 2 all-gathers and a reduce-scatter of 4 MB in 3 messages (2 blocks and the root), sharded state
-    assert fsdp.parts["data-parallel comm"] == pytest.approx(2 * 3 * (3e-4 + 2e-3))
+    fsdp = predict(Layout("fsdp", 2, 1, 1, 8, 2), facts, SPEED, LINKS, 0.0, 0)
+    # per micro batch 2 all-gathers, per step a reduce-scatter, of 4 MB in 3 messages (2 blocks and the root); sharded
+    # state
+    assert fsdp.parts["data-parallel comm"] == pytest.approx(5 * (3e-4 + 2e-3))
     assert fsdp.parts["optimizer"] == pytest.approx(0.005)
     one_f_one_b = predict(Layout("pipeline", 1, 1, 2, 8, 4, schedule="1F1B", pipeline_microbatches=4), facts, SPEED,
-                          LINK, 1 / 5, 0)  # (p - 1) / (m + p - 1)
+                          LINKS, 1 / 5, 0)  # (p - 1) / (m + p - 1)
     compute = 4 * (8 * 1e9 / 2 / 1e10 + 1e-3 * 4 / 2)
     assert one_f_one_b.parts["compute"] == pytest.approx(compute)
     assert one_f_one_b.parts["bubble"] == pytest.approx(compute / 4)
     # per micro batch 2 x 4 sends of 2 samples' block input (2000 bytes)
     assert one_f_one_b.parts["pipeline comm"] == pytest.approx(4 * 8 * (1e-4 + 2000 / 1e9))
-    checkpointed = predict(Layout("tp", 1, 2, 1, 16, 2, activation_checkpointing=True), facts, SPEED, LINK, 0.0, 0)
+    checkpointed = predict(Layout("tp", 1, 2, 1, 16, 2, activation_checkpointing=True), facts, SPEED, LINKS, 0.0, 0)
     assert checkpointed.parts["compute"] == pytest.approx(2 * (16 * 1e9 * 4 / 3 / 2 / 1e10 + 1e-3 * 4 / 3))
     # 6 all-reduces of 16 samples' block input per block with checkpointing, 2 blocks
     assert checkpointed.parts["tensor-parallel comm"] == pytest.approx(2 * 2 * (12 * 1e-4 + 16000 / 2e9))
 
 
 def test_only_layouts_that_fit_are_ranked_fastest_first(recipe_args: list[str], recipe: plan.Recipe) -> None:
-    everything = plan.rank_layouts(options(), recipe_args, SPEED, LINK)
+    everything = plan.rank_layouts(options(), recipe_args, SPEED, LINKS)
     memories = sorted(prediction.memory_bytes for prediction in everything.ranked)
     limit = memories[len(memories) // 2]
-    some = plan.rank_layouts(options(device_memory=str(limit)), recipe_args, SPEED, LINK)
+    some = plan.rank_layouts(options(device_memory=str(limit)), recipe_args, SPEED, LINKS)
     assert 0 < len(some.ranked) < len(everything.ranked) == everything.layouts
     assert all(prediction.memory_bytes <= limit for prediction in some.ranked)
     times = [prediction.step_seconds for prediction in some.ranked]
@@ -135,3 +137,45 @@ def test_a_layout_runs_with_the_preset_and_overrides_it_prints(recipe: plan.Reci
     assert (strategy.pipeline_parallel_size, strategy.pipeline_schedule, strategy.pipeline_microbatches) == (2, "GPipe", 2)
     assert config.data.init_args.micro_batch_size == 8 and config.model.init_args.activation_checkpointing
     assert replace(layout, activation_checkpointing=False).describe() == "PP pp2 GPipe m2 dp1 tp1, micro 8 x 4"
+
+
+def test_hsdp_shards_within_a_node_and_reduces_across_nodes_once_per_step() -> None:
+    """On 2 nodes of 2 devices, with a link across nodes 10x slower and with 10x the latency: HSDP's shards (2
+    neighbouring ranks) gather within a node and only the gradient shards cross between the nodes, once per step;
+    FSDP2 over all 4 ranks and DDP cross it with everything. Worked by hand (4 MB of parameters, 3 messages)."""
+    facts = ModelFacts(flops_per_sample=1e9, parameters=10**6, blocks=2, parameter_bytes=4, compute_bytes=4,
+                       block_input_bytes_per_sample=1000, samples_per_step=32, units_per_sample=64)
+    links = Links(LINK, Link(bandwidth=1e8, latency=1e-3, source="stated"), devices_per_node=2)
+    hsdp = predict(Layout("hsdp", 4, 1, 1, 4, 2, replicas=2), facts, SPEED, links, 0.0, 0)
+    # within a node: 2 x 2 all-gathers and a reduce-scatter of 4 MB over 2 ranks, 3 messages each: 5 x (3e-4 + 2e-3);
+    # across: an all-reduce of the 2 MB gradient shard over 2 replicas: 2 x (3e-3 + 2e6 / 2e8)
+    assert hsdp.parts["data-parallel comm"] == pytest.approx(5 * 2.3e-3 + 2 * 1.3e-2)
+    fsdp = predict(Layout("fsdp", 4, 1, 1, 4, 2), facts, SPEED, links, 0.0, 0)
+    assert fsdp.parts["data-parallel comm"] == pytest.approx(5 * 3 * (3e-3 + 4e6 / 4e8))  # all across the nodes
+    ddp = predict(Layout("ddp", 4, 1, 1, 4, 2), facts, SPEED, links, 0.0, 0)
+    assert ddp.parts["data-parallel comm"] == pytest.approx(2 * 3 * (1e-3 + 4e6 / 4e8))
+    assert hsdp.parts["optimizer"] == fsdp.parts["optimizer"] * 2  # state sharded over 2 ranks, not 4
+    assert hsdp.layout.describe() == "HSDP dp4 (2 x 2), micro 4 x 2"
+
+
+def test_hsdp_layouts_run_with_the_hsdp_preset(recipe: plan.Recipe) -> None:
+    """On 4 processes the planner offers 2 replicas x 2 shards, and its arguments resolve to that plan."""
+    model = type(recipe.model)
+    four = enumerate_layouts(recipe.template, 4, 1, model, recipe.config.model.init_args, recipe.config.data.init_args)
+    hsdp = [candidate for candidate in four if candidate.layout.strategy == "hsdp"]
+    assert hsdp and all(candidate.plan.data_parallel_replicate_size == candidate.layout.replicas == 2
+                        for candidate in hsdp)
+    arguments = plan.fit_arguments(hsdp[0].layout, "cpu", 4, 1, "32-true")
+    assert arguments[:2] == ["-c", "configs/trainer/hsdp_cpu.yaml"]
+    config = plan.DoctorCLI([*QUICKSTART, *arguments, "--model.model_name", "debug"]).config
+    strategy = config.trainer.strategy.init_args
+    assert (strategy.data_parallel_size, strategy.data_parallel_replicate_size) == (4, 2)
+
+
+def test_several_nodes_need_the_link_between_them(recipe_args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    line = one_line_error(["plan", *recipe_args, "--nodes", "2", "--devices", "2", "--bandwidth", "10GB/s",
+                           "--latency", "10us"], monkeypatch)
+    assert "2 nodes need the link between them: give --node_bandwidth and --node_latency" in line, line
+    line = one_line_error(["plan", *recipe_args, "--nodes", "2", "--devices", "2", "--node_bandwidth", "1GB/s"],
+                          monkeypatch)
+    assert "give --node_bandwidth and --node_latency together" in line, line

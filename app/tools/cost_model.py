@@ -1,7 +1,7 @@
 """The step time of a layout, predicted from measured or stated constants: what ``cohort plan`` ranks layouts by.
 
 Per optimizer step on one rank, with a = accumulation micro-batches of b samples, t tensor-parallel, p pipeline and
-d data-parallel ranks (n = d for the data-parallel collectives), F the model's training FLOPs per sample (counted by
+d data-parallel ranks (r replicas of d / r shards under HSDP), F the model's training FLOPs per sample (counted by
 torch, ``CohortModule.flops_per_sample``) and R the device's throughput:
 
     compute     a x (b x F x (1 + 1/3 with activation checkpointing: the blocks' forward again) / (t x p) / R
@@ -9,16 +9,22 @@ torch, ``CohortModule.flops_per_sample``) and R the device's throughput:
                                                         calls: m / p per micro batch under a pipeline of m, else 1
     optimizer   local parameters x s                    s: AdamW's seconds per parameter (measured)
     data par.   DDP: all-reduce of the gradients once per step; FSDP2: per micro batch an all-gather of the
-                parameters for forward, another for backward and a reduce-scatter of the gradients, one message
-                per block; a ring collective of S bytes over n ranks takes (n - 1) x (latency + S / (n x bandwidth)),
-                twice that for an all-reduce (nccl-tests' bus-bandwidth arithmetic)
+                parameters for forward and another for backward, and once per step a reduce-scatter of the
+                gradients (Cohort reduces once per step under accumulation, models/parallel/parallelize.py
+                choose_gradient_reduction), one message per block, over the d / r ranks of a replica; HSDP adds an
+                all-reduce of the gradient shards across the r replicas once per step; a ring collective of S bytes
+                over n ranks takes (n - 1) x (latency + S / (n x bandwidth)), twice that for an all-reduce
+                (nccl-tests' bus-bandwidth arithmetic)
     tensor par. per micro batch and block: 2 all-reduces of the block's input in forward, 2 in backward (3 and 3
                 with checkpointing), over t ranks
     pipeline    per pipeline micro-batch and stage a rank runs: one send of the activations, one of their gradients
     bubble      compute inside the schedule x idle / (1 - idle), idle = the schedule's theory
                 (models/parallel/pipeline.py theoretical_bubble, core/pipeline_schedules.py)
 
-Communication overlaps compute only where the device lets it: on a GPU DDP's and FSDP2's collectives run on their
+Each collective runs on the link its group spans (``Links``): within a node, or across nodes where the group's
+ranks lie on several (the device mesh is row-major over (pipeline, data-parallel, tensor-parallel), so a
+tensor-parallel group is neighbouring ranks and a data-parallel one ranks t apart). Communication overlaps compute
+only where the device lets it: on a GPU DDP's and FSDP2's collectives run on their
 own stream behind the backward (exposed: what exceeds the compute); on a CPU gloo's threads compete for the same
 cores as the compute, so nothing is hidden. Where each constant came from travels with it (``source``)."""
 
@@ -47,16 +53,23 @@ class Layout:
     schedule: str = ""
     pipeline_microbatches: int = 1
     stages_per_rank: int = 1
+    replicas: int = 1  # HSDP's replicas of the sharded model ("hsdp"); 1: FSDP2 over every data-parallel rank
 
     @property
     def sharded(self) -> bool:
         """Whether parameters are sharded over the data-parallel ranks (FSDP2 under ModelParallelStrategy)."""
-        return self.strategy in ("fsdp", "tp", "pipeline") and self.data_parallel > 1
+        return self.strategy in ("fsdp", "hsdp", "tp", "pipeline") and self.data_parallel > 1
+
+    @property
+    def shards(self) -> int:
+        """Data-parallel ranks each parameter is sharded over: those of one replica; 1 where nothing is sharded."""
+        return self.data_parallel // self.replicas if self.sharded else 1
 
     def describe(self) -> str:
         """A short name for the table: ``FSDP2 dp2, micro 8 x 2, AC`` (micro batch x accumulation, checkpointing)."""
         name = {"single": "one process", "ddp": f"DDP dp{self.data_parallel}",
-                "fsdp": f"FSDP2 dp{self.data_parallel}",
+                "fsdp": f"FSDP2 dp{self.data_parallel}", "hsdp": f"HSDP dp{self.data_parallel} ({self.replicas} x "
+                                                                 f"{self.shards})",
                 "tp": f"{f'FSDP2 dp{self.data_parallel} ' if self.data_parallel > 1 else ''}TP tp{self.tensor_parallel}"
                 }.get(self.strategy)
         if name is None:
@@ -101,6 +114,20 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Links:
+    """The link between the processes of one node and the link between nodes, and the processes a node holds."""
+
+    within_node: Link
+    across_nodes: Link
+    devices_per_node: int
+
+    def of_group(self, ranks: int, stride: int) -> Link:
+        """The link a collective over ``ranks`` ranks ``stride`` apart runs on: within a node when their span fits in
+        one, else across nodes (the slowest hop paces a ring)."""
+        return self.within_node if ranks * stride <= self.devices_per_node else self.across_nodes
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """What the cost model needs to know of the network, counted on the meta device."""
 
@@ -126,7 +153,7 @@ class Prediction:
         return sum(self.parts.values())
 
 
-def predict(layout: Layout, model: ModelFacts, device: DeviceSpeed, link: Link, bubble_share: float,
+def predict(layout: Layout, model: ModelFacts, device: DeviceSpeed, links: Links, bubble_share: float,
             memory_bytes: int) -> Prediction:
     """The step time of ``layout`` by part, per the module docstring; ``bubble_share`` is the schedule's idle share
     (0 without a pipeline)."""
@@ -137,18 +164,22 @@ def predict(layout: Layout, model: ModelFacts, device: DeviceSpeed, link: Link, 
     per_micro_batch = (b * model.flops_per_sample * (1 + recompute) / (t * p) / device.flops_per_second
                        + device.call_overhead_s * calls * (1 + recompute))
     compute = a * per_micro_batch
-    local_parameters = model.parameters / (t * p) / (d if layout.sharded else 1)
+    local_parameters = model.parameters / (t * p) / layout.shards
     parts = {"compute": compute, "optimizer": local_parameters * device.optimizer_s_per_parameter}
 
     stage_parameter_bytes = model.parameters * model.parameter_bytes // (t * p)
     blocks_here = max(1, model.blocks // p)
     if layout.strategy == "ddp":
         buckets = math.ceil(stage_parameter_bytes / DDP_BUCKET_BYTES)
-        data_parallel = link.all_reduce(stage_parameter_bytes, d, buckets)
+        data_parallel = links.of_group(d, t).all_reduce(stage_parameter_bytes, d, buckets)
     elif layout.sharded:
         gathered = model.parameters * model.compute_bytes // (t * p)
         units = blocks_here + 1  # each block, and the root's parameters outside them
-        data_parallel = a * (2 * link.ring(gathered, d, units) + link.ring(stage_parameter_bytes, d, units))
+        shards, replica = layout.shards, links.of_group(layout.shards, t)
+        data_parallel = 2 * a * replica.ring(gathered, shards, units) + replica.ring(stage_parameter_bytes, shards, units)
+        if layout.replicas > 1:  # each rank's gradient shard, across the replicas
+            data_parallel += links.of_group(layout.replicas, shards * t).all_reduce(
+                stage_parameter_bytes // shards, layout.replicas, units)
     else:
         data_parallel = 0.0
     if device.overlaps_communication:
@@ -158,10 +189,10 @@ def predict(layout: Layout, model: ModelFacts, device: DeviceSpeed, link: Link, 
     activation = b * model.block_input_bytes_per_sample
     if t > 1:
         all_reduces = (4 + 2 * (recompute > 0)) * blocks_here
-        parts["tensor-parallel comm"] = a * link.all_reduce(activation, t, all_reduces)
+        parts["tensor-parallel comm"] = a * links.of_group(t, 1).all_reduce(activation, t, all_reduces)
     if p > 1:
         sends = 2 * layout.pipeline_microbatches * layout.stages_per_rank
-        parts["pipeline comm"] = a * sends * link.send(activation // layout.pipeline_microbatches)
+        parts["pipeline comm"] = a * sends * links.of_group(2, d * t).send(activation // layout.pipeline_microbatches)
         parts["bubble"] = compute * bubble_share / (1 - bubble_share)
     return Prediction(layout, memory_bytes, parts)
 

@@ -2,7 +2,8 @@
 needs per device, where its time goes and the ``cohort fit`` arguments that run it.
 
     cohort plan -c configs/quickstart.yaml --devices 2                       # 2 CPU processes on this machine
-    cohort plan -c configs/gpt2/pretrain.yaml --nodes 2 --devices 8 --gpu H100 --bandwidth 100GB/s --latency 20us
+    cohort plan -c configs/gpt2/pretrain.yaml --nodes 2 --devices 8 --gpu H100 --bandwidth 100GB/s --latency 20us \
+        --node_bandwidth 20GB/s --node_latency 40us
     cohort plan -c configs/quickstart.yaml --devices 2 --try 3               # and run the best 3 for a few steps
 
 Layouts: app/tools/layouts.py (every split the run plan and the family accept). Memory per device: cohort doctor's
@@ -26,7 +27,7 @@ from jsonargparse import Namespace
 
 from app.cli.commands import describe
 from app.cli.run_plan_resolution import resolve_run_plan
-from app.tools.cost_model import DeviceSpeed, Link, ModelFacts, Prediction, predict, tokens_per_second
+from app.tools.cost_model import DeviceSpeed, Link, Links, ModelFacts, Prediction, predict, tokens_per_second
 from app.tools.doctor import DoctorCLI, instantiate_family
 from app.tools.layouts import Candidate, enumerate_layouts, fit_arguments
 from app.tools.memory import parse_memory_size, spread, visible_device_memory
@@ -65,9 +66,13 @@ def parser() -> ArgumentParser:
                         "CPU the machine's memory / devices)")
     parser.add_argument("--gpu", help="plan for this GPU from its data sheet (A100, H100, H200) instead of measuring "
                         "this machine")
-    parser.add_argument("--bandwidth", help="per-rank bus bandwidth between ranks, e.g. 25GB/s (default: measured "
-                        "between local processes; cohort comm measures it on a cluster)")
-    parser.add_argument("--latency", help="latency of one message, e.g. 20us (with --bandwidth)")
+    parser.add_argument("--bandwidth", help="per-rank bus bandwidth between the ranks of a node, e.g. 25GB/s "
+                        "(default: measured between local processes; cohort comm measures it on a cluster)")
+    parser.add_argument("--latency", help="latency of one message within a node, e.g. 20us (with --bandwidth)")
+    parser.add_argument("--node_bandwidth", help="per-rank bus bandwidth of a collective across nodes, e.g. 20GB/s "
+                        "(needed with --nodes over 1; cohort comm over two nodes measures it)")
+    parser.add_argument("--node_latency", help="latency of one message across nodes, e.g. 40us (with "
+                        "--node_bandwidth)")
     parser.add_argument("--top", type=int, default=5, help="layouts printed (default 5)")
     parser.add_argument("--try", dest="trials", type=int, default=0,
                         help="run the best K for a few steps each (cohort fit) and compare measured with predicted")
@@ -102,16 +107,19 @@ def model_facts(model: CohortModule, profile: NetworkProfile, plan: RunPlan) -> 
 def memory_bytes(profile: NetworkProfile, candidate: Candidate, device_type: str) -> int:
     """cohort doctor's estimate of the layout (app/tools/doctor.py check_memory), without the advice."""
     layout = candidate.layout
-    strategy = "fsdp" if layout.strategy in ("fsdp", "tp", "pipeline") else "ddp" if layout.data_parallel > 1 else "single"
-    return spread(profile, layout.micro_batch_size, strategy, layout.data_parallel, layout.tensor_parallel,
+    strategy = "fsdp" if layout.sharded or layout.strategy in ("tp", "pipeline") else (
+        "ddp" if layout.data_parallel > 1 else "single")
+    # HSDP holds what FSDP2 over one replica's ranks holds
+    return spread(profile, layout.micro_batch_size, strategy, layout.shards if layout.sharded else layout.data_parallel,
+                  layout.tensor_parallel,
                   layout.pipeline_parallel, layout.pipeline_microbatches if layout.pipeline_parallel > 1 else None,
                   layout.activation_checkpointing, device_type).total
 
 
 def predictions(candidates: Sequence[Candidate], profile: NetworkProfile, facts: ModelFacts, device: DeviceSpeed,
-                link: Link, device_type: str) -> list[Prediction]:
+                links: Links, device_type: str) -> list[Prediction]:
     """Every candidate's prediction, fastest first (the smaller memory first among equals)."""
-    made = [predict(candidate.layout, facts, device, link,
+    made = [predict(candidate.layout, facts, device, links,
                     theoretical_bubble(candidate.plan) if candidate.layout.pipeline_parallel > 1 else 0.0,
                     memory_bytes(profile, candidate, device_type)) for candidate in candidates]
     return sorted(made, key=lambda prediction: (prediction.step_seconds, prediction.memory_bytes))
@@ -155,20 +163,33 @@ def parse_seconds(text: str) -> float:
     return float(match.group(1)) * TIME_UNITS[match.group(2)]
 
 
-def link_of(args: Namespace, devices: int, nodes: int, device: torch.device) -> Link:
-    """The given bandwidth and latency, or a probe between local processes; a UserError where neither can be had."""
-    if (args.bandwidth is None) != (args.latency is None):
-        raise UserError("cohort plan: give --bandwidth and --latency together (e.g. --bandwidth 25GB/s --latency 20us)")
-    if args.bandwidth is not None:
-        bandwidth = parse_byte_size(args.bandwidth.removesuffix("/s"), "--bandwidth")
-        return Link(bandwidth, parse_seconds(args.latency), f"given: {args.bandwidth}, {args.latency} per message")
-    if devices * nodes == 1:
-        return Link(1.0, 0.0, "none: one device")
-    local = nodes == 1 and args.gpu is None and (device.type == "cpu" or torch.cuda.device_count() >= devices)
-    if not local:
-        raise UserError(f"cohort plan: the links of {nodes} node(s) x {devices} device(s) cannot be measured from "
-                        "here: give --bandwidth and --latency (cohort comm measures them on the cluster)")
-    return probe_link(devices, device.type == "cuda")
+def given_link(bandwidth: str | None, latency: str | None, names: str) -> Link | None:
+    """The link of a bandwidth and a latency given together; None where neither is."""
+    if (bandwidth is None) != (latency is None):
+        raise UserError(f"cohort plan: give {names} together (e.g. {' 25GB/s '.join(names.split(' and '))} 20us)")
+    if bandwidth is None:
+        return None
+    return Link(parse_byte_size(bandwidth.removesuffix("/s"), names.split()[0]), parse_seconds(latency),
+                f"given: {bandwidth}, {latency} per message")
+
+
+def links_of(args: Namespace, devices: int, nodes: int, device: torch.device) -> Links:
+    """The links given within and across nodes, or a probe between local processes; a UserError where neither can
+    be had."""
+    within = given_link(args.bandwidth, args.latency, "--bandwidth and --latency")
+    across = given_link(args.node_bandwidth, args.node_latency, "--node_bandwidth and --node_latency")
+    if nodes > 1 and across is None:
+        raise UserError(f"cohort plan: {nodes} nodes need the link between them: give --node_bandwidth and "
+                        "--node_latency (cohort comm launched over two nodes measures them)")
+    if within is None:
+        if devices * nodes == 1:
+            within = Link(1.0, 0.0, "none: one device")
+        elif nodes == 1 and args.gpu is None and (device.type == "cpu" or torch.cuda.device_count() >= devices):
+            within = probe_link(devices, device.type == "cuda")
+        else:
+            raise UserError(f"cohort plan: the links of {nodes} node(s) x {devices} device(s) cannot be measured from "
+                            "here: give --bandwidth and --latency (cohort comm measures them on the cluster)")
+    return Links(within, across or within, devices)
 
 
 def device_memory_of(args: Namespace, device: torch.device, devices: int) -> tuple[int, str]:
@@ -203,13 +224,18 @@ class Ranking:
     ranked: list[Prediction]  # those that fit, fastest first
     capacity: str  # the device memory and where it came from
     speed: DeviceSpeed
-    link: Link
+    links: Links
     device_type: str
+
+    def communication_source(self) -> str:
+        within, across = self.links.within_node, self.links.across_nodes
+        return within.source if across is within else f"within a node, {within.source}; across nodes, {across.source}"
 
 
 def rank_layouts(args: Namespace, fit_args: list[str], speed: DeviceSpeed | None = None,
-                 link: Link | None = None) -> Ranking:
-    """The recipe's layouts on the cluster of ``args`` ranked; ``speed`` and ``link`` replace the probes if given."""
+                 links: Links | None = None) -> Ranking:
+    """The recipe's layouts on the cluster of ``args`` ranked; ``speed`` and ``links`` replace the probes if
+    given."""
     recipe = read_recipe(fit_args, args.gpu is not None)
     template, model = recipe.template, recipe.model
     device_type = "cuda" if recipe.accelerator == "gpu" else "cpu"
@@ -229,9 +255,9 @@ def rank_layouts(args: Namespace, fit_args: list[str], speed: DeviceSpeed | None
     if speed is None:
         speed = (stated_device(args.gpu, template.precision.compute_dtype) if args.gpu is not None
                  else probe_device(model, template.sequence_length, template.micro_batch_size, args.devices, device))
-    link = link or link_of(args, args.devices, args.nodes, device)
-    return Ranking(recipe, facts, len(candidates), predictions(fitting, profile, facts, speed, link, device_type),
-                   f"{format_bytes(capacity, 'GiB')} per device ({capacity_source})", speed, link, device_type)
+    links = links or links_of(args, args.devices, args.nodes, device)
+    return Ranking(recipe, facts, len(candidates), predictions(fitting, profile, facts, speed, links, device_type),
+                   f"{format_bytes(capacity, 'GiB')} per device ({capacity_source})", speed, links, device_type)
 
 
 def fit_runs(ranking: Ranking, args: Namespace, count: int) -> list[list[str]]:
@@ -256,7 +282,7 @@ def main(argv: list[str]) -> None:
     print(format_table(ranked[:args.top], facts, [f"cohort fit {' '.join(fit_args)} {' '.join(run)}" for run in runs]))
     overlap = ("overlapped with compute where the strategy allows" if ranking.speed.overlaps_communication
                else "not overlapped: the collectives' threads share the cores with the compute")
-    print(f"compute: {ranking.speed.source}\ncommunication: {ranking.link.source}; {overlap}\n"
+    print(f"compute: {ranking.speed.source}\ncommunication: {ranking.communication_source()}; {overlap}\n"
           "memory: cohort doctor's estimate (app/tools/memory.py)")
     if args.trials:
         from app.tools.plan_trials import try_layouts  # runs cohort fit: only when asked
