@@ -133,3 +133,15 @@ def test_a_second_ctrl_c_ends_the_run_at_once(tmp_path: Path, four_steps: list[s
     assert ("cohort: stopped at once by a second Ctrl-C (SIGINT), without the checkpoint of the step reached; resume "
             "from the newest checkpoint with the same command and --ckpt_path last") in result.stderr.splitlines()
     assert not last_checkpoint(tmp_path).exists()
+
+
+def test_default_root_dir_holds_the_runs_as_lightnings_own_logger_would(tmp_path: Path, four_steps: list[str],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """--trainer.default_root_dir puts lightning_logs (TensorBoard, config.yaml, checkpoints) under it, and
+    --ckpt_path last finds the run there."""
+    monkeypatch.chdir(tmp_path)
+    root = ["--trainer.default_root_dir", "runs"]
+    run_in_process(["fit", *four_steps, *QUIET, *root, "--trainer.max_steps", "2"], monkeypatch)
+    assert (tmp_path / "runs" / RUN / "config.yaml").is_file() and not (tmp_path / "lightning_logs").exists()
+    run_in_process(["fit", *four_steps, *QUIET, *root, "--ckpt_path", "last"], monkeypatch)
+    assert torch.load(last_checkpoint(tmp_path / "runs"), weights_only=True)["global_step"] == 4

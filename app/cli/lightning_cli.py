@@ -28,7 +28,7 @@ from app.cli.argument_parser import CohortArgumentParser, replace_default_classe
 from app.cli.commands import DESCRIPTION, LIGHTNING_COMMANDS, describe
 from app.cli.preflight import Preflight, check_config, resolve_precision
 from app.cli.run_plan_resolution import accelerator_name
-from app.cli.run_record import RunConfig, log_beside_the_run
+from app.cli.run_record import RunConfig, log_beside_the_run, logs_under_the_root_dir
 from app.cli.samples import PrintPredictions
 from app.observability.flight_recorder import NcclFlightRecorder
 from app.observability.monitor import RankMonitor
@@ -176,6 +176,7 @@ class CohortCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
+        logs_under_the_root_dir(config.trainer)
         if SLURMEnvironment.detect():  # preemption is handled by PreemptionCheckpoint, across ranks
             config.trainer.plugins = [*(config.trainer.plugins or []), Namespace(
                 class_path="lightning.fabric.plugins.environments.SLURMEnvironment",

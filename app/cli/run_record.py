@@ -32,6 +32,17 @@ RESUMES_FILE = "resumes.yaml"
 SET_BY_RESUMING = ("ckpt_path", "trainer.logger.init_args.version")
 
 
+def logs_under_the_root_dir(trainer_config: Namespace) -> None:
+    """``trainer.default_root_dir`` moves the default TensorBoard logger's folder (``./lightning_logs``) under it, as
+    Lightning's own default logger does; a logger with a save_dir of its own keeps it."""
+    logger = trainer_config.logger
+    root_dir = trainer_config.default_root_dir
+    if root_dir is None or not (hasattr(logger, "class_path") and logger.class_path.endswith("TensorBoardLogger")):
+        return
+    if logger.init_args.save_dir == ".":
+        logger.init_args.save_dir = str(root_dir)
+
+
 def log_beside_the_run(config: Namespace, subcommand: str, save_config_kwargs: dict[str, Any]) -> None:
     """Point an evaluating command's logs and config at a folder of its own in the run's folder (under another
     logger: at a config file name of its own), so that nothing of the run is written over."""
