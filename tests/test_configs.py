@@ -66,11 +66,9 @@ REFUSED.update({
     ("llama-small/pretrain.yaml", "hsdp_cpu"): "data.global_batch_size=32 is not a multiple of data.micro_batch_size=16 x 4",
     ("resnet-small/digits.yaml", "hsdp_cpu"): "data.global_batch_size=64 is not a multiple of data.micro_batch_size=32 x 4",
 })
-# the mixture of experts' recipe has the small Llama's batch; its network has no pipeline split (the routers' balance
-# loss of the earlier stages could not reach the last stage's loss)
+# the mixture of experts' recipe has the small Llama's batch
 REFUSED.update({("moe-small/pretrain.yaml", preset): refusal for (recipe, preset), refusal in list(REFUSED.items())
                 if recipe == "llama-small/pretrain.yaml"})
-REFUSED[("moe-small/pretrain.yaml", "pipeline_cpu")] = "MoELanguageModel has no pipeline split"
 # hsdp_gpu_bf16 has multinode_gpu_bf16's 16 data-parallel ranks (2 nodes of 8 GPUs), so the same refusals
 REFUSED.update({(recipe, "hsdp_gpu_bf16"): refusal for (recipe, preset), refusal in list(REFUSED.items())
                 if preset == "multinode_gpu_bf16"})

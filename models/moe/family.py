@@ -1,10 +1,11 @@
 """The mixture-of-experts family: the LightningModule that trains models/moe/network.py's decoder, what every
 next-token family shares (models/causal_language_model.py) plus the routers' load-balancing loss, with the sizes,
 the tensor-parallel plan (attention and the shared expert; the routed experts stay whole on each tensor-parallel rank)
-and the per-step routing statistics (``routing_metrics``) the family logs."""
+and Llama's pipeline split, where each stage adds its own routers' balance loss."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -14,9 +15,11 @@ import torch.nn.functional as F
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
 from models.causal_language_model import CausalLanguageModel
+from models.llama.family import LLAMA_PIPELINE_SPLIT
 from models.moe.network import MoE, MoEConfig, MoEFeedForward, moe_config, moe_parameter_counts, moe_training_flops_per_token
 from models.optimizer import OptimizerSettings
 from models.parallel.parallelize import TensorParallelPlan
+from models.parallel.pipeline import PipelineSplit
 
 MOE_TENSOR_PARALLEL_PLAN: TensorParallelPlan = {
     "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
@@ -86,6 +89,20 @@ class MoELanguageModel(CausalLanguageModel):
     def tensor_parallel_plan(self) -> TensorParallelPlan:
         return MOE_TENSOR_PARALLEL_PLAN
 
+    def pipeline_split(self) -> PipelineSplit:
+        """Llama's: the network is Llama's with other blocks. The balance loss of a stage's routers reaches the
+        training loss through that stage's own backward (models/parallel/pipeline.py), not through the last stage's
+        loss, which never sees it."""
+        return replace(LLAMA_PIPELINE_SPLIT, auxiliary_loss=self.balance_term)
+
+    def balance_term(self, network: nn.Module) -> torch.Tensor | None:
+        """``load_balance_coefficient`` x the balance loss of the network's last forward, summed over its MoE layers
+        (Switch Transformer's sum); None for a network (a pipeline stage) without one."""
+        layers = moe_layers(network)
+        if not layers:
+            return None
+        return self.config.load_balance_coefficient * torch.stack([layer.balance_loss for layer in layers]).sum()
+
     def describe(self) -> str:
         c = self.config
         total, active = moe_parameter_counts(c)
@@ -104,8 +121,8 @@ class MoELanguageModel(CausalLanguageModel):
         if not self.training:
             return cross_entropy, {}
         balance = torch.stack([layer.balance_loss for layer in moe_layers(network)])
-        loss = cross_entropy + self.config.load_balance_coefficient * balance.sum()
-        return loss, {"cross_entropy": cross_entropy, "balance_loss": balance.mean()}
+        return cross_entropy + self.balance_term(network), {"cross_entropy": cross_entropy,
+                                                            "balance_loss": balance.mean()}
 
     def batch_loss(self, network: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return self.batch_metrics(network, batch)[0]

@@ -1,9 +1,10 @@
 """Pipeline parallelism for any network whose forward is a sequence of parts (its inputs turned into hidden
 states, its repeated blocks, its head), with ``torch.distributed.pipelining``: this rank's stages (one, or two under
 the interleaved, zero-bubble and V-shaped schedules), the schedule that runs every pipeline micro-batch's forward and
-backward through them, and the two things a pipeline adds to a training step, both over the pipeline ranks: the
-gradient of a weight tied between the first and the last stage (GPT's and BERT's embedding and output head) summed,
-and the gradient norm summed over all stages before clipping.
+backward through them, and the things a pipeline adds to a training step over the pipeline ranks: the gradient of a
+weight tied between the first and the last stage (GPT's and BERT's embedding and output head) summed, the gradient
+norm summed over all stages before clipping, and the auxiliary losses of stages before the last (a mixture of
+experts' balance loss), whose gradients each stage adds in its own backward (``AddedLossGradient``).
 
 A stage is the family's network with the other stages' parts removed (``keep_stage``), so parameter names,
 checkpoints and optimizer states are the unsplit network's; the family says where the parts are and how its two
@@ -61,13 +62,17 @@ class PipelineSplit:
     ``first`` names the modules that turn the inputs into hidden states (run by the first stage, ``embed``), ``last``
     those that turn the last block's output into the outputs (run by the last stage, ``head``). Every parameter must
     belong to a block or to one of these modules. ``loss_sum`` is the summed loss of a pipeline micro-batch's
-    outputs; each is divided by the micro-batch's count of targets that are not padding."""
+    outputs; each is divided by the micro-batch's count of targets that are not padding. ``auxiliary_loss``, if
+    given, is a stage's own term of the training loss after it ran a pipeline micro-batch, as a mean over that
+    micro-batch's samples (None where the stage has none): the training loss is the last stage's plus every stage's
+    auxiliary term, weighted by its samples' share of the micro batch."""
 
     first: tuple[str, ...]
     last: tuple[str, ...]
     embed: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     head: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = field(default=cross_entropy_sum)
+    auxiliary_loss: Callable[[nn.Module], torch.Tensor | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -256,6 +261,22 @@ def theoretical_bubble(plan: RunPlan) -> float:
     return idle / (3 * plan.stages_per_rank * plan.pipeline_microbatches + idle)
 
 
+class AddedLossGradient(torch.autograd.Function):
+    """``x`` unchanged; in backward, ``loss`` also gets the gradient ``weight``, as if ``weight x loss`` had been
+    added to the training loss. A stage before the last adds its auxiliary loss this way: the pipeline's backward
+    starts from the last stage's loss only (Megatron-LM's MoEAuxLossAutoScaler does the same)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return x.clone()  # not a view: the zero-bubble schedules detach a stage's outputs in place
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (weight,) = ctx.saved_tensors
+        return grad, weight, None
+
+
 class TimedStage(PipelineStage):
     """A PipelineStage that adds up the time it computes (forward and backward of its chunks, the zero-bubble
     schedules' weight-gradient half of a backward too), so that the time it waits on its neighbours is the rest of
@@ -339,10 +360,31 @@ class Pipeline:
         local = self.stages[0] if len(self.stages) == 1 else self.stages
         self.schedule = TORCH_SCHEDULE_CLASSES[schedule](local, n_microbatches, loss_fn=self._loss, scale_grads=False)
         self._loss_denominator: torch.Tensor | float = 1.0
+        self._auxiliary_weight: float | None = None  # per sample, in a training step: 1 / (samples x accumulation)
+        self._auxiliary_sum = torch.zeros((), device=device)  # this rank's auxiliary terms of the step's loss
+        if split.auxiliary_loss is not None:
+            for stage in stages:
+                stage.forward = partial(self._add_auxiliary_loss, stage, stage.forward)  # type: ignore[method-assign]
         self.schedule_seconds = 0.0  # inside training schedules since the start; compute_seconds is the busy part
 
     def _loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.split.loss_sum(outputs, targets) / self._loss_denominator
+
+    def _add_auxiliary_loss(self, stage: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
+                            x: torch.Tensor) -> torch.Tensor:
+        """The stage's forward of a pipeline micro-batch, whose backward also adds the gradient of the stage's
+        auxiliary loss, weighted by the pipeline micro-batch's share of the samples and the accumulation, as one
+        process adds it to the micro batch's loss. Only in a training step (not in evaluation, nor in torch's
+        shape inference, which run without gradients)."""
+        outputs = run(x)
+        if self._auxiliary_weight is None or not torch.is_grad_enabled():
+            return outputs
+        loss = self.split.auxiliary_loss(stage)
+        if loss is None:
+            return outputs
+        weight = torch.tensor(x.shape[0] * self._auxiliary_weight, dtype=loss.dtype, device=loss.device)
+        self._auxiliary_sum += (loss.detach() * weight).float()
+        return AddedLossGradient.apply(outputs, loss, weight)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, accumulation: int) -> torch.Tensor:
         """Forward and backward of the micro-batch (inputs, targets) through the whole pipeline; the gradients
@@ -350,12 +392,17 @@ class Pipeline:
         Returns the micro-batch's mean loss on every pipeline rank."""
         tokens = (targets != IGNORE_INDEX).sum().clamp(min=1)
         self._loss_denominator = tokens * accumulation  # each chunk adds its share of the mean (a tensor: no sync)
+        self._auxiliary_weight = 1 / (targets.shape[0] * accumulation)
+        self._auxiliary_sum.zero_()
         losses: list[torch.Tensor] = []
         start = time.perf_counter()
-        self.schedule.step(inputs if self.has_first else None, target=targets if self.has_last else None,
-                           losses=losses, return_outputs=False)
+        try:
+            self.schedule.step(inputs if self.has_first else None, target=targets if self.has_last else None,
+                               losses=losses, return_outputs=False)
+        finally:
+            self._auxiliary_weight = None
         self.schedule_seconds += time.perf_counter() - start
-        return self._shared_loss(losses, accumulation)
+        return self._shared_loss(losses, accumulation, self._auxiliary_sum)
 
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean loss, token count) of the micro-batch, on every pipeline rank. A micro-batch of padding alone (see
@@ -370,11 +417,16 @@ class Pipeline:
             stage.busy_seconds = seconds
         return self._shared_loss(losses, 1), tokens
 
-    def _shared_loss(self, losses: list[torch.Tensor], scale: int) -> torch.Tensor:
-        """The last stage's loss, summed from its chunks, on every pipeline rank: one all-reduce of one number."""
+    def _shared_loss(self, losses: list[torch.Tensor], scale: int, auxiliary: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+        """The last stage's loss, summed from its chunks, plus each stage's ``auxiliary`` terms, on every pipeline
+        rank: one all-reduce of one number."""
         # float32 on every rank, whatever the default dtype (bf16-true sets it to bfloat16 around the step)
-        loss = (torch.stack(losses).float().sum().detach() * scale if losses
+        loss = (torch.stack(losses).float().sum().detach() if losses
                 else torch.zeros((), dtype=torch.float32, device=self.device))
+        if auxiliary is not None:
+            loss = loss + auxiliary
+        loss = loss * scale
         dist.all_reduce(loss, group=self.group)
         return loss
 
