@@ -19,7 +19,6 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 from jsonargparse import Namespace
@@ -27,7 +26,6 @@ from jsonargparse import Namespace
 from app.tools.plan import Ranking, fit_runs, rank_layouts
 from app.tools.plan_trials import WARMUP_STEPS, absolute, measured_step_seconds, run_fit, scalars
 
-QUIET_FILE = Path("/work/wt/QUIET")  # another session's timing runs: wait while it exists
 RECIPES = {
     "quickstart": ["-c", "configs/quickstart.yaml"],
     "debug": ["-c", "configs/quickstart.yaml", "--model.model_name", "debug", "--data.sequence_length", "64"],
@@ -48,11 +46,6 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1)) if n > 1 else float("nan")
 
 
-def wait_for_quiet() -> None:
-    while QUIET_FILE.exists():
-        time.sleep(30)
-
-
 def chosen_layouts(ranking: Ranking, micro_batch_sizes: list[int], schedules: list[str]) -> list[int]:
     """Places in the ranking of the layouts to run: one per strategy, schedule, micro batch and checkpointing (the
     planner's fastest number of pipeline micro-batches)."""
@@ -71,7 +64,6 @@ def measure_recipe(name: str, arguments: list[str], micro_batch_sizes: list[int]
                    steps: int, rounds: int) -> None:
     args = Namespace(devices=2, nodes=1, gpu=None, device_memory=None, bandwidth=None, latency=None,
                      node_bandwidth=None, node_latency=None)
-    wait_for_quiet()
     ranking = rank_layouts(args, arguments)
     chosen = chosen_layouts(ranking, micro_batch_sizes, schedules)
     runs = fit_runs(ranking, Namespace(devices=2, nodes=1), len(ranking.ranked))
@@ -79,8 +71,7 @@ def measure_recipe(name: str, arguments: list[str], micro_batch_sizes: list[int]
     with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as folder:
         for _ in range(rounds):  # in turns, so that a busy spell of the machine falls on every layout alike
             for index in chosen:
-                wait_for_quiet()
-                run_dir = run_fit([*absolute(arguments), *absolute(runs[index])], steps, Path(folder))
+                            run_dir = run_fit([*absolute(arguments), *absolute(runs[index])], steps, Path(folder))
                 times[index].append(measured_step_seconds(run_dir))
                 prediction = ranking.ranked[index]
                 parts = {name: statistics.median(scalars(run_dir, f"monitor/{name}/max")[WARMUP_STEPS:])

@@ -66,6 +66,18 @@ def test_hybrid_sharding_shows_replicas_and_shards_and_the_memory_accumulation_c
     assert "unsharded gradients" not in lines["memory"], lines["memory"]
 
 
+def test_fault_tolerant_groups_are_estimated_as_the_fsdp2_they_run(debug_run_args: list[str], tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each group shards the network over its 2 processes (FSDP2): the estimate gathers units and holds the whole
+    gradients while it accumulates 2 micro-batches, and has no DDP buckets."""
+    monkeypatch.chdir(tmp_path)
+    lines, _ = doctor_lines([*debug_run_args, "-c", str(CONFIG_DIR / "trainer/fault_tolerant_groups_cpu.yaml"),
+                             "--data.global_batch_size", "16", "--data.micro_batch_size", "2"])
+    memory = lines["memory"]
+    assert "FSDP gathered" in memory and "unsharded gradients under accumulation" in memory, memory
+    assert "DDP buckets" not in memory, memory
+
+
 def test_the_memory_line_is_skipped_with_its_reason_when_the_sizes_are_unknown(
         debug_run_args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

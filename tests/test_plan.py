@@ -179,3 +179,30 @@ def test_several_nodes_need_the_link_between_them(recipe_args: list[str], monkey
     line = one_line_error(["plan", *recipe_args, "--nodes", "2", "--devices", "2", "--node_bandwidth", "1GB/s"],
                           monkeypatch)
     assert "give --node_bandwidth and --node_latency together" in line, line
+
+
+def test_on_a_gpu_the_steps_reduction_hides_behind_the_last_backward_only() -> None:
+    """With 4 micro-batches of 0.2 s compute each, DDP's one all-reduce of 0.5 s per step hides behind the last
+    micro-batch's backward (2/3 x 0.2 s), not behind the whole step's 0.8 s: 0.5 - 0.1333 s stays exposed."""
+    gpu = replace(SPEED, flops_per_second=1e10, call_overhead_s=0.0, overlaps_communication=True)
+    facts = ModelFacts(flops_per_sample=1e9, parameters=125 * 10**6, blocks=2, parameter_bytes=4, compute_bytes=4,
+                       block_input_bytes_per_sample=1000, samples_per_step=32, units_per_sample=64)
+    slow = Links(Link(bandwidth=1e9, latency=0.0, source="stated"), Link(1e9, 0.0, "stated"), devices_per_node=2)
+    ddp = predict(Layout("ddp", 2, 1, 1, micro_batch_size=2, accumulation=4), facts, gpu, slow, 0.0, 0)
+    # 500 MB in 20 buckets over 2 ranks: 2 x (500e6 / 2e9) = 0.5 s
+    assert ddp.parts["compute"] == pytest.approx(0.8)
+    assert ddp.parts["data-parallel comm"] == pytest.approx(0.5 - 2 / 3 * 0.2)
+
+
+def test_inputs_the_planner_cannot_use_get_one_line(recipe_args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bandwidth of nothing, --try with no step left to time after the warm-up, an A100 of unstated memory, a
+    recipe whose sequence exceeds the model's context (refused before the layouts are profiled)."""
+    cases = {
+        ("--bandwidth", "0GB/s", "--latency", "10us"): "--bandwidth 0GB/s is no bandwidth",
+        ("--try", "1", "--steps", "2"): "--steps 2 must be more than the 2 warm-up steps",
+        ("--gpu", "A100", "--bandwidth", "100GB/s", "--latency", "10us"): "--gpu A100 comes in more than one memory size",
+        ("--data.sequence_length", "128"): "data.sequence_length=128 exceeds the block_size 64",
+    }
+    for extra, expected in cases.items():
+        line = one_line_error(["plan", *recipe_args, "--devices", "2", *extra], monkeypatch)
+        assert expected in line, line

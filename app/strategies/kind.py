@@ -18,8 +18,9 @@ class StrategyKind(Enum):
 
     @property
     def shards_layers(self) -> bool:
-        """Whether Cohort builds and shards the network itself (models/parallel/), as the family's plan says."""
-        return self in (StrategyKind.MODEL_PARALLEL, StrategyKind.PIPELINE)
+        """Whether Cohort builds and shards the network itself (models/parallel/), as the family's plan says: FSDP2
+        and tensor parallelism, pipeline stages, and fault-tolerant groups (FSDP2 over each group's processes)."""
+        return self in (StrategyKind.MODEL_PARALLEL, StrategyKind.PIPELINE, StrategyKind.FAULT_TOLERANT)
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ Per optimizer step on one rank, with a = accumulation micro-batches of b samples
 d data-parallel ranks (r replicas of d / r shards under HSDP), F the model's training FLOPs per sample (counted by
 torch, ``CohortModule.flops_per_sample``) and R the device's throughput:
 
-    compute     a x (b x F x (1 + 1/3 with activation checkpointing: the blocks' forward again) / (t x p) / R
-                     + o x calls)                       o: fixed time of one forward and backward (launches, Python),
+    compute     a x (b x F / (t x p) / R + o x calls) x (1 + 1/3 with activation checkpointing: the blocks'
+                forward again)                          o: fixed time of one forward and backward (launches, Python),
                                                         calls: m / p per micro batch under a pipeline of m, else 1
     optimizer   local parameters x s                    s: AdamW's seconds per parameter (measured)
     data par.   DDP: all-reduce of the gradients once per step; FSDP2: per micro batch an all-gather of the
@@ -25,8 +25,9 @@ Each collective runs on the link its group spans (``Links``): within a node, or 
 ranks lie on several (the device mesh is row-major over (pipeline, data-parallel, tensor-parallel), so a
 tensor-parallel group is neighbouring ranks and a data-parallel one ranks t apart). Communication overlaps compute
 only where the device lets it: on a GPU DDP's and FSDP2's collectives run on their
-own stream behind the backward (exposed: what exceeds the compute); on a CPU gloo's threads compete for the same
-cores as the compute, so nothing is hidden. Where each constant came from travels with it (``source``)."""
+own stream, the step's gradient reduction behind the last micro-batch's backward only (two thirds of its compute:
+the earlier micro-batches reduce nothing) and FSDP2's all-gathers behind their own micro-batch's compute (exposed:
+what exceeds it); on a CPU gloo's threads compete for the same cores as the compute, so nothing is hidden. Where each constant came from travels with it (``source``)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb: one all-reduce per bucket
 CHECKPOINTING_EXTRA = 1 / 3  # the blocks' forward again, a third of forward + backward (backward is twice forward)
+BACKWARD_SHARE = 2 / 3  # of a forward and backward, the backward: what a gradient reduction can hide behind
 
 
 @dataclass(frozen=True)
@@ -169,22 +171,23 @@ def predict(layout: Layout, model: ModelFacts, device: DeviceSpeed, links: Links
 
     stage_parameter_bytes = model.parameters * model.parameter_bytes // (t * p)
     blocks_here = max(1, model.blocks // p)
+    gathers = reduction = 0.0  # per micro batch, per step
     if layout.strategy == "ddp":
         buckets = math.ceil(stage_parameter_bytes / DDP_BUCKET_BYTES)
-        data_parallel = links.of_group(d, t).all_reduce(stage_parameter_bytes, d, buckets)
+        reduction = links.of_group(d, t).all_reduce(stage_parameter_bytes, d, buckets)
     elif layout.sharded:
         gathered = model.parameters * model.compute_bytes // (t * p)
         units = blocks_here + 1  # each block, and the root's parameters outside them
         shards, replica = layout.shards, links.of_group(layout.shards, t)
-        data_parallel = 2 * a * replica.ring(gathered, shards, units) + replica.ring(stage_parameter_bytes, shards, units)
+        gathers = 2 * replica.ring(gathered, shards, units)
+        reduction = replica.ring(stage_parameter_bytes, shards, units)
         if layout.replicas > 1:  # each rank's gradient shard, across the replicas
-            data_parallel += links.of_group(layout.replicas, shards * t).all_reduce(
+            reduction += links.of_group(layout.replicas, shards * t).all_reduce(
                 stage_parameter_bytes // shards, layout.replicas, units)
-    else:
-        data_parallel = 0.0
     if device.overlaps_communication:
-        data_parallel = max(0.0, data_parallel - compute)
-    parts["data-parallel comm"] = data_parallel
+        gathers = max(0.0, gathers - per_micro_batch)
+        reduction = max(0.0, reduction - BACKWARD_SHARE * per_micro_batch)
+    parts["data-parallel comm"] = a * gathers + reduction
 
     activation = b * model.block_input_bytes_per_sample
     if t > 1:

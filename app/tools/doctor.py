@@ -134,7 +134,7 @@ def check_memory(config: Namespace, model: CohortModule, plan: RunPlan, kind: St
     fsdp_checkpointing = getattr(getattr(trainer.strategy, "init_args", None), "activation_checkpointing_policy", None)
     # FSDP2 (not under a pipeline, whose schedule reduces itself) keeps whole gradients while it accumulates them,
     # unless told to reduce-scatter every micro-batch (models/parallel/parallelize.py choose_gradient_reduction)
-    held_whole = (kind is StrategyKind.MODEL_PARALLEL and plan.accumulation > 1
+    held_whole = (kind in (StrategyKind.MODEL_PARALLEL, StrategyKind.FAULT_TOLERANT) and plan.accumulation > 1
                   and not plan.reduce_gradients_every_micro_batch)
     estimate = estimate_memory(
         model.plain_network, module_step_loss(model, plan.sequence_length), plan.micro_batch_size,

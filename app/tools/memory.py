@@ -146,7 +146,8 @@ def estimate_memory(
         advice.append((f"FSDP over {2 * data_parallel_size} data-parallel ranks", spread(profile, micro_batch_size, **{
             **layout, "data_parallel_size": 2 * data_parallel_size}).total))
     if layout["unsharded_gradients"]:
-        advice.append(("reduce_gradients_every_micro_batch", spread(profile, micro_batch_size, **{
+        # the option is HybridShardedStrategy's (with data_parallel_replicate_size 1 it is FSDP2 over every rank)
+        advice.append(("HybridShardedStrategy's reduce_gradients_every_micro_batch", spread(profile, micro_batch_size, **{
             **layout, "unsharded_gradients": False}).total))
     if precision_named(precision).name == "32-true":
         mixed = profile_network(build_network, step_loss, micro_batch_size, "bf16-mixed", device_type, blocks)

@@ -15,7 +15,7 @@ FIELD = "trainer.strategy.init_args"
 
 @dataclass(frozen=True)
 class FaultToleranceSettings:
-    replica_groups: int = 3  # copies of the model, each one process (one torchrun)
+    replica_groups: int = 3  # copies of the model, each a torchrun of trainer.devices x num_nodes processes
     min_replicas: int = 1  # groups a step needs to commit
     lighthouse: str | None = None  # http://host:port of a running lighthouse; None: the job starts one
     max_restarts: int = 10  # times torchrun restarts a group whose process died

@@ -88,19 +88,21 @@ class FaultTolerantStrategy(ModelParallelStrategy):
                  heartbeat_timeout: timedelta = timedelta(seconds=3)) -> None:
         """
         Args:
-            replica_groups: copies of the model, each one process; each reads global_batch_size / replica_groups
-                samples per step.
+            replica_groups: copies of the model, each trainer.devices x num_nodes processes (the model sharded over
+                them); each group reads global_batch_size / replica_groups samples per step.
             min_replicas: groups a step needs to commit; with fewer alive the others wait for them.
             lighthouse: http://host:port of a running torchft lighthouse (one per job, e.g. started by the launch
                 script); null: ``cohort fit`` starts one on this machine.
             max_restarts: times torchrun restarts a group whose process died, before the job goes on without it.
-            timeout: the longest a quorum, the gradient all-reduce or a recovery may take; a group that does not
-                answer within it is left out.
+            timeout: the longest a quorum, the gradient all-reduce across the groups or a recovery may take; a group
+                that does not answer within it is left out. The collectives within a group (FSDP2's, a checkpoint's
+                barriers) keep torch's default timeout, so a slow checkpoint write does not end the group.
             heartbeat_timeout: a group silent this long is dead to the lighthouse (the lighthouse this job starts).
         """
         # the pre-flight checks have checked the values (app/cli/preflight.py); one file per group's checkpoint, as a
-        # single process writes it. The group's sizes are known once Lightning has counted its processes
-        super().__init__(save_distributed_checkpoint=False, timeout=timeout)
+        # single process writes it. The group's sizes are known once Lightning has counted its processes. The
+        # group's own process group keeps torch's default timeout: ``timeout`` bounds what crosses the groups
+        super().__init__(save_distributed_checkpoint=False)
         self.settings = FaultToleranceSettings(replica_groups, min_replicas, lighthouse, max_restarts, timeout,
                                                heartbeat_timeout)
         self.manager: Any = None  # torchft's Manager, in a group's process from setup on
