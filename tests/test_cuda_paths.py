@@ -365,6 +365,11 @@ def test_a_replica_group_runs_on_the_gpus_its_torchrun_was_given(tmp_path: Path,
     for group in range(5):
         launcher._start_group(group, {}, [], tmp_path / "version_0", processes=2)
     assert [env["CUDA_VISIBLE_DEVICES"] for env in started] == ["0,1", "2,3", "4,5", "6,7", "0,1"]
+    started.clear()  # a job given GPUs 8-15 of a 16-GPU machine: its groups name them as the machine does
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "8,9,10,11,12,13,14,15")
+    for group in range(2):
+        launcher._start_group(group, {}, [], tmp_path / "version_0", processes=2)
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in started] == ["8,9", "10,11"]
 
 
 def test_replica_groups_on_gpus_average_over_nccl_within_the_strategys_timeout(monkeypatch: pytest.MonkeyPatch) -> None:

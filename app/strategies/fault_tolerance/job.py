@@ -124,11 +124,19 @@ class ReplicaGroupsLauncher(_Launcher):
                                                  str(max(1, cpus // (self.settings.replica_groups * processes)))),
                "RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft's own log: a few lines per step otherwise
         if torch.cuda.is_available():  # group G of n processes on GPUs Gn to Gn + n - 1; more than there are share them
-            gpus = torch.cuda.device_count()
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str((group * processes + rank) % gpus) for rank in range(processes))
+            env["CUDA_VISIBLE_DEVICES"] = group_devices(group, processes, torch.cuda.device_count(),
+                                                        os.environ.get("CUDA_VISIBLE_DEVICES"))
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
                    "--max-restarts", str(self.settings.max_restarts), "-m", "app", *sys.argv[1:], *resume]
         return subprocess.Popen(command, env=env, start_new_session=True)
+
+
+def group_devices(group: int, processes: int, gpus: int, visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for group ``group`` of ``processes``: the (group x processes + rank)-th of the ``gpus``
+    this process sees, named as the parent's CUDA_VISIBLE_DEVICES names them (a child reads the names as the
+    machine's, not as the parent's indices: with 4,5,6,7 visible, group 0 takes 4, not 0)."""
+    names = visible.split(",") if visible else [str(index) for index in range(gpus)]
+    return ",".join(names[(group * processes + rank) % gpus] for rank in range(processes))
 
 
 def run_folder(trainer: L.Trainer) -> Path:
