@@ -308,9 +308,18 @@ def test_validation_less_often_than_once_an_epoch_is_one_line(fit_args: list[str
     """Lightning, validating per epoch, refuses an interval longer than the epoch in a traceback, once the data
     is loaded (so after the run folder is made)."""
     monkeypatch.chdir(tmp_path)
-    message = one_line_error([*fit_args, "--trainer.limit_train_batches", "2", "--val_every_n_steps", "100"],
+    message = one_line_error([*fit_args, "--trainer.limit_train_batches", "8", "--val_every_n_steps", "100"],
                              monkeypatch)
-    assert "val_every_n_steps=100 is 400 micro-batches, more than the 2 of one epoch" in message, message
+    assert "val_every_n_steps=100 is 400 micro-batches, more than the 8 of one epoch" in message, message
+
+
+@pytest.mark.parametrize("limit", ["2", "0.5"])
+def test_a_training_batches_limit_that_ends_an_epoch_inside_a_step_is_one_line(
+        fit_args: list[str], limit: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning would step the optimizer at the epoch's end on part of the global batch (4 micro-batches here)."""
+    message = one_line_error([*fit_args, "--trainer.limit_train_batches", limit, "--print_config"], monkeypatch)
+    assert (f"trainer.limit_train_batches={limit} would end an epoch inside an optimizer step of 4 micro-batches"
+            in message), message
 
 
 def test_a_command_run_in_this_process_leaves_the_process_as_it_was(fit_args: list[str], tmp_path: Path,

@@ -75,7 +75,7 @@ def resolve_run_plan(config: Namespace) -> tuple[ConfiguredStrategy, RunPlan]:
     if fault_tolerant is not None:
         fault_tolerance.check_config(fault_tolerant, world_size, data.global_batch_size, data.micro_batch_size,
                                      getattr(data, "num_workers", 0), bad_steps_action(config))
-    return strategy, RunPlan(
+    plan = RunPlan(
         devices_per_node=devices_per_node(trainer), num_nodes=int(trainer.num_nodes),
         data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel,
         global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch_size,
@@ -86,6 +86,22 @@ def resolve_run_plan(config: Namespace) -> tuple[ConfiguredStrategy, RunPlan]:
         asynchronous_workers=world_size - 1 if asynchronous else 0, replica_groups=replica_groups,
         **hybrid_sharding_options(trainer, strategy.kind),
     )
+    check_training_batches_limit(trainer.limit_train_batches, plan.accumulation)
+    return strategy, plan
+
+
+def check_training_batches_limit(limit: int | float | None, accumulation: int) -> None:
+    """Lightning counts trainer.limit_train_batches in micro-batches and steps the optimizer at an epoch's end: a limit
+    that ends an epoch inside an optimizer step would step on part of the global batch (and under FSDP2 before its
+    gradients were reduced), so with accumulation it must be a whole number of steps."""
+    if accumulation == 1 or limit is None or limit == 1.0:
+        return
+    if isinstance(limit, float) and limit.is_integer() and limit > 1:  # the parser's 8.0 is Lightning's count 8
+        limit = int(limit)
+    if isinstance(limit, float) or limit % accumulation:
+        raise UserError(f"trainer.limit_train_batches={limit} would end an epoch inside an optimizer step of "
+                        f"{accumulation} micro-batches: give a count of micro-batches that is a multiple of "
+                        f"{accumulation}, or limit the run with trainer.max_steps")
 
 
 def configured_strategy(strategy: str | Namespace | None, accelerator: str) -> ConfiguredStrategy:

@@ -26,6 +26,7 @@ import torch
 from lightning.fabric.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed import TCPStore
 
 from app.safety.launch_environment import REPLICA_GROUP_ENV, RUN_VERSION_ENV
@@ -52,7 +53,12 @@ def wait_for_every_group(store: TCPStore, replica_groups: int, timeout: timedelt
     happened to start first (a quorum counts only the groups already up)."""
     store.add("replica_groups_up", 1)
     deadline = time.monotonic() + timeout.total_seconds()
-    while store.add("replica_groups_up", 0) < replica_groups and time.monotonic() < deadline:
+    while (up := store.add("replica_groups_up", 0)) < replica_groups:
+        if time.monotonic() >= deadline:
+            rank_zero_info(f"replica groups: {up} of {replica_groups} up after {timeout.total_seconds():.0f} s "
+                           "(trainer.strategy.init_args.start_timeout): training without the others, which join "
+                           "when they are up")
+            return
         time.sleep(0.05)
 
 

@@ -21,6 +21,7 @@ class FaultToleranceSettings:
     max_restarts: int = 10  # times torchrun restarts a group whose process died
     timeout: timedelta = timedelta(seconds=30)  # the longest a quorum, the gradient all-reduce or a recovery may take
     heartbeat_timeout: timedelta = timedelta(seconds=3)  # a group silent this long is dead to the job's lighthouse
+    start_timeout: timedelta = timedelta(minutes=5)  # at the start, how long the groups up wait for the others
 
     def __post_init__(self) -> None:
         groups, fewest = self.replica_groups, self.min_replicas

@@ -85,7 +85,8 @@ class FaultTolerantStrategy(ModelParallelStrategy):
 
     def __init__(self, replica_groups: int = 3, min_replicas: int = 1, lighthouse: str | None = None,
                  max_restarts: int = 10, timeout: timedelta = timedelta(seconds=30),
-                 heartbeat_timeout: timedelta = timedelta(seconds=3)) -> None:
+                 heartbeat_timeout: timedelta = timedelta(seconds=3),
+                 start_timeout: timedelta = timedelta(minutes=5)) -> None:
         """
         Args:
             replica_groups: copies of the model, each trainer.devices x num_nodes processes (the model sharded over
@@ -98,13 +99,16 @@ class FaultTolerantStrategy(ModelParallelStrategy):
                 that does not answer within it is left out. The collectives within a group (FSDP2's, a checkpoint's
                 barriers) keep torch's default timeout, so a slow checkpoint write does not end the group.
             heartbeat_timeout: a group silent this long is dead to the lighthouse (the lighthouse this job starts).
+            start_timeout: at the job's start, how long the groups that are up wait for the others (started by
+                their own torchrun or srun, on other machines, at other times) before they train without them; a
+                late group joins at a later step.
         """
         # the pre-flight checks have checked the values (app/cli/preflight.py); one file per group's checkpoint, as a
         # single process writes it. The group's sizes are known once Lightning has counted its processes. The
         # group's own process group keeps torch's default timeout: ``timeout`` bounds what crosses the groups
         super().__init__(save_distributed_checkpoint=False)
         self.settings = FaultToleranceSettings(replica_groups, min_replicas, lighthouse, max_restarts, timeout,
-                                               heartbeat_timeout)
+                                               heartbeat_timeout, start_timeout)
         self.manager: Any = None  # torchft's Manager, in a group's process from setup on
         self.committed_steps: CommittedSteps | None = None  # in a group's process, from setup_environment on
         self.recoveries = 0  # peer states this group has loaded
@@ -169,7 +173,7 @@ class FaultTolerantStrategy(ModelParallelStrategy):
         self.job_store = job_store(timeout)
         if self.job_store is not None and not torchrun_restart():
             if self.global_rank == 0:  # the group counts in once
-                wait_for_every_group(self.job_store, settings.replica_groups, timeout)
+                wait_for_every_group(self.job_store, settings.replica_groups, settings.start_timeout)
             self.barrier()
 
     def process_dataloader(self, dataloader: object) -> object:
