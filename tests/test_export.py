@@ -138,11 +138,11 @@ def test_export_names_a_missing_checkpoint_in_one_line(tmp_path: Path, monkeypat
 
 @pytest.mark.parametrize("change, expected", [
     ({"hyper_parameters": {}},
-     "is not a checkpoint of a Cohort GPT, Llama or BERT (no model_name among its hyperparameters)"),
+     "is not a checkpoint of a Cohort GPT, Llama, MoE or BERT (no model_name among its hyperparameters)"),
     ({"hyper_parameters": {"model_name": "small", "vocab_size": 256}},
      "the weights are not those of a Cohort GPT of 4 layers, width 128, vocabulary 256 (missing ['blocks.2.attn"),
     ({"cohort_model_class": "models.resnet.family.ImageClassifier"},
-     "holds a model of the family ImageClassifier, and cohort export writes GPT, Llama and BERT folders only"),
+     "holds a model of the family ImageClassifier, and cohort export writes GPT, Llama, MoE and BERT folders only"),
 ], ids=["no-model-name", "another-size", "another-family"])
 def test_export_refuses_what_is_not_a_cohort_gpt_checkpoint_in_one_line(
     change: dict[str, Any], expected: str, checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
