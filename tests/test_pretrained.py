@@ -355,6 +355,10 @@ def test_the_saved_logits_are_what_transformers_computes() -> None:
     for family, model_class in (("llama", "LlamaForCausalLM"), ("gpt2", "GPT2LMHeadModel"),
                                 ("bert", "BertForMaskedLM"), ("mixtral", "MixtralForCausalLM"),
                                 ("qwen3_moe", "Qwen3MoeForCausalLM")):
+        if int(transformers.__version__.split(".")[0]) < 5 and family in ("mixtral", "qwen3_moe"):
+            # transformers 5 saved them with keys 4 does not read (the RoPE base in rope_parameters only, Qwen3-MoE's
+            # num_experts as num_local_experts): 4 builds them with its own defaults (base 1e6, 128 experts)
+            continue
         folder, tokens, logits = saved_reference(family)
         model = getattr(transformers, model_class).from_pretrained(folder).eval()
         with torch.no_grad():
