@@ -53,11 +53,12 @@ class MoEFormat:
 
 
 MIXTRAL = MoEFormat("mixtral", "MixtralForCausalLM", "Mixtral", "block_sparse_moe",
-                    {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}, ("num_local_experts",), "intermediate_size",
-                    {"rope_theta": 1e6, "rms_norm_eps": 1e-5})
+                    {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}, ("num_local_experts",),
+                    "intermediate_size", {"rope_theta": 1e6, "rms_norm_eps": 1e-5})
 QWEN3_MOE = MoEFormat("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE", "mlp",
                       {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},
-                      ("num_experts", "num_local_experts"), "moe_intermediate_size", {"rope_theta": 1e4, "rms_norm_eps": 1e-6})
+                      ("num_experts", "num_local_experts"), "moe_intermediate_size",
+                      {"rope_theta": 1e4, "rms_norm_eps": 1e-6})
 FORMATS = {format.model_type: format for format in (MIXTRAL, QWEN3_MOE)}
 
 

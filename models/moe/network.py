@@ -79,7 +79,8 @@ class MoEConfig:
 
 
 # Named sizes: "debug" for tests, of Mixtral's shape, and "debug-qwen3" of Qwen3-MoE's (queries and keys normalised,
-# heads wider than n_embd / n_head, the chosen experts' probabilities not renormalised); "small" learns the embedded byte-level corpus on 2 CPU cores with as many active
+# heads wider than n_embd / n_head, the chosen experts' probabilities not renormalised); "small" learns the embedded
+# byte-level corpus on 2 CPU cores with as many active
 # parameters as Llama's "small" (two experts of half its MLP width per token); "mixtral-8x7b" and "qwen3-30b-a3b"
 # are those models' shapes (46.7B and 30.5B parameters, 12.9B and 3.3B active).
 MOE_CONFIGS: dict[str, MoEConfig] = {
