@@ -312,6 +312,18 @@ def test_an_imported_llama_trains_under_every_layout_as_one_process_does(importe
         scalars(imported_runs["one process"], "val/loss")[0], rel=1e-3)
 
 
+@pytest.mark.slow
+def test_an_imported_mixture_of_experts_trains_sharded_as_one_process_does(tmp_path: Path, byte_corpus: Path) -> None:
+    """FSDP2 over 2 processes shards each stacked expert parameter by experts, each rank keeping its part of the
+    stack read from the folder's expert tensors: the same losses, gradient norms and weights (within the Adam bound)
+    as one process that imported the Mixtral folder."""
+    run = ["-c", str(CONFIG_DIR / "moe-small/pretrain.yaml"), "--model.model_name", "debug", "--model.init_from",
+           str(saved_reference("mixtral")[0]), "--data.data_dir", str(byte_corpus), "--data.sequence_length", "64",
+           "--trainer.log_every_n_steps", "1", "--model.optimizer.warmup_steps", "2", "--model.max_new_tokens", "0",
+           *COMPARABLE_RUN]
+    assert_comparable_runs_agree(fit(tmp_path / "one", run), fit(tmp_path / "fsdp2", [*run, *MODEL_PARALLEL]))
+
+
 FAMILIES = {  # a family built from a Hugging Face folder of the test size
     "llama": lambda folder: LlamaLanguageModel("debug", init_from=str(folder)),
     "gpt2": lambda folder: GPTLanguageModel("debug", init_from=str(folder)),
