@@ -7,7 +7,8 @@ A folder is checked before anything is built (``HuggingFaceAdapter.check_pretrai
 describe the family's named size exactly, and its tensors must be the network's parameters, by name and shape, with
 none left over. The network is then built on the meta device as usual and each rank reads only the tensors of its
 own parameters, keeping its own slice (models/parallel/parallelize.py ``load_weights``): no rank ever holds the whole
-model, under FSDP2, tensor parallelism or a pipeline.
+model, under FSDP2, tensor parallelism or a pipeline. A parameter that stacks what the folder stores as several tensors
+(a mixture of experts' experts, one tensor per expert there) is read one of them at a time into its stacked tensor.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +32,11 @@ WEIGHTS_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 # ids) or not this model's (BERT's pooler and next-sentence head, from its pretraining)
 NOT_WEIGHTS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias", "embeddings.position_ids")
 NOT_THIS_MODEL = ("bert.pooler.", "cls.seq_relationship.")
-# where a Cohort parameter is read from: the folder's tensor, and what turns it into Cohort's layout
-Source = tuple[str, Callable[[torch.Tensor], torch.Tensor]]
+# config fields that say how the network trains, not what its weights compute: not compared with a folder's
+NOT_COMPARED = ("dropout", "capacity_factor", "load_balance_coefficient")
+# where a Cohort parameter is read from: the folder's tensor, or several tensors of one shape stacked on a new first
+# dimension in the order given (a mixture of experts' experts), and what turns that into Cohort's layout
+Source = tuple[str | tuple[str, ...], Callable[[torch.Tensor], torch.Tensor]]
 
 
 class HuggingFaceFolder:
@@ -90,13 +95,34 @@ class HuggingFaceFolder:
         with reader as weights:
             yield weights
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        with self.open(self.files[name]) as weights:
-            return tuple(weights.get_slice(name).get_shape())
+    @cached_property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape, from the files' headers: each file opened once (a mixture of experts has tens of
+        thousands of tensors), no tensor read."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for file in sorted(set(self.files.values())):
+            with self.open(file) as weights:
+                shapes |= {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}
+        return shapes
 
-    def tensor(self, name: str) -> torch.Tensor:
-        with self.open(self.files[name]) as weights:
-            return weights.get_tensor(name)
+    def tensor(self, source: str | tuple[str, ...]) -> torch.Tensor:
+        """The tensor named ``source``, or the tensors it names stacked on a new first dimension: read one at a time
+        into the stacked tensor, so the folder's tensors are never all in memory beside it."""
+        if isinstance(source, str):
+            with self.open(self.files[source]) as weights:
+                return weights.get_tensor(source)
+        by_file: dict[Path, list[tuple[int, str]]] = {}  # each file opened once: its header is parsed on opening
+        for index, name in enumerate(source):
+            by_file.setdefault(self.files[name], []).append((index, name))
+        stacked = torch.empty(0)
+        for file, names in by_file.items():
+            with self.open(file) as weights:
+                for index, name in names:
+                    tensor = weights.get_tensor(name)
+                    if stacked.numel() == 0:
+                        stacked = tensor.new_empty((len(source), *tensor.shape))
+                    stacked[index] = tensor
+        return stacked
 
 
 def check_computable(folder: HuggingFaceFolder, model_type: str, family: str,
@@ -117,7 +143,7 @@ def check_computable(folder: HuggingFaceFolder, model_type: str, family: str,
 def check_config_is(named: Any, imported: Any, model_name: str, folder: HuggingFaceFolder) -> None:
     """A UserError naming every field where the folder's model is not the named size."""
     differing = [f"{field.name} {getattr(imported, field.name)} (model '{model_name}': {getattr(named, field.name)})"
-                 for field in fields(named) if field.name != "dropout"
+                 for field in fields(named) if field.name not in NOT_COMPARED
                  and getattr(imported, field.name) != getattr(named, field.name)]
     if differing:
         raise UserError(f"model.init_from={folder.path} is not a model '{model_name}': its config.json has "
@@ -129,7 +155,7 @@ class HuggingFaceAdapter:
     """How a family's network and a Hugging Face folder of the same architecture translate, both ways: the same
     network, so the weights only change names and layout."""
 
-    model_type: str  # config.json's model_type: "gpt2", "llama", "bert"
+    model_types: tuple[str, ...]  # config.json's model_type: ("gpt2",), ("llama",), ("bert",), ("mixtral", "qwen3_moe")
     network: Callable[[Any], nn.Module]  # the family's network class, built from its config
     # import: config.json -> the network's config (a UserError for what the network does not compute), and
     # Cohort parameter name -> the folder's tensor it is read from and what turns that into Cohort's layout
@@ -154,14 +180,16 @@ class HuggingFaceAdapter:
         source_of = self.sources(folder, config)
         expected = {name: tuple(param.shape) for name, param in network.named_parameters()}
         read = {name: source_of(name) for name in expected}
-        missing = sorted(source for source, _ in read.values() if source not in folder.files)
+        used = {tensor for source, _ in read.values() for tensor in tensor_names(source)}
+        missing = sorted(tensor for tensor in used if tensor not in folder.files)
         reshaped = []
         for name, (source, to_cohort) in read.items():
-            if source in folder.files:
-                stored = folder.shape(source)
-                if tuple(to_cohort(torch.empty(stored, device="meta")).shape) != expected[name]:
-                    reshaped.append(f"{source} {stored} (Cohort's {name}: {expected[name]})")
-        used = {source for source, _ in read.values()}
+            for tensor in tensor_names(source):  # each of a stack checked as if all had its shape: the odd one named
+                if tensor in folder.files:
+                    stored = folder.shapes[tensor]
+                    stack = stored if isinstance(source, str) else (len(source), *stored)
+                    if tuple(to_cohort(torch.empty(stack, device="meta")).shape) != expected[name]:
+                        reshaped.append(f"{tensor} {stored} (Cohort's {name}: {expected[name]})")
         unused = sorted(name for name in folder.files if name not in used and not name.endswith(NOT_WEIGHTS)
                         and not name.startswith(NOT_THIS_MODEL))
         problems = [f"{kind}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}" for kind, names in
@@ -179,6 +207,11 @@ class HuggingFaceAdapter:
             return to_cohort(folder.tensor(source))
 
         return read
+
+
+def tensor_names(source: str | tuple[str, ...]) -> tuple[str, ...]:
+    """The folder's tensors a Source reads."""
+    return (source,) if isinstance(source, str) else source
 
 
 def check_weights_fit(state_dict: dict[str, torch.Tensor], config: Any, network: type[nn.Module]) -> None:

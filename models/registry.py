@@ -38,9 +38,9 @@ class Family:
         return self.module_class.huggingface
 
     @property
-    def model_type(self) -> str | None:
-        """The ``model_type`` of the Hugging Face folders it reads and writes (config.json's), if any."""
-        return None if self.huggingface is None else self.huggingface.model_type
+    def model_types(self) -> tuple[str, ...]:
+        """The ``model_type``s of the Hugging Face folders it reads and writes (config.json's), if any."""
+        return () if self.huggingface is None else self.huggingface.model_types
 
 
 FAMILIES = (

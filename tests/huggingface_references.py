@@ -20,17 +20,21 @@ from safetensors.torch import load_file, save_file
 from models.bert.network import BERT_CONFIGS
 from models.gpt.network import GPT_CONFIGS
 from models.llama.network import LLAMA_CONFIGS
+from models.moe.network import MOE_CONFIGS
 
 REFERENCE_DIR = Path(__file__).parent / "data" / "huggingface"
 LOGITS_FILE = "reference_logits.safetensors"  # beside the weights: the tokens, and transformers' logits for them
-FAMILIES = ("llama", "gpt2", "bert")  # the folder names; Cohort's families LlamaLanguageModel, GPT..., Bert...
+# the folder names, config.json's model_type: Cohort's families LlamaLanguageModel, GPT..., Bert..., and MoE... twice
+FAMILIES = ("llama", "gpt2", "bert", "mixtral", "qwen3_moe")
 
 
 def reference_models(transformers: ModuleType) -> dict[str, Any]:
     """LlamaForCausalLM, GPT2LMHeadModel and BertForMaskedLM of the sizes 'debug' and 'bert-tiny', weights drawn as
-    transformers initialises them under seed 0."""
+    transformers initialises them under seed 0, and MixtralForCausalLM and Qwen3MoeForCausalLM of the MoE sizes
+    'debug' and 'debug-qwen3', every weight drawn again (``redrawn``)."""
     torch.manual_seed(0)
     llama, gpt, bert = LLAMA_CONFIGS["debug"], GPT_CONFIGS["debug"], BERT_CONFIGS["bert-tiny"]
+    mixtral, qwen3 = MOE_CONFIGS["debug"], MOE_CONFIGS["debug-qwen3"]
     return {
         "llama": transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=llama.vocab_size, hidden_size=llama.n_embd, intermediate_size=llama.intermediate_size,
@@ -44,7 +48,31 @@ def reference_models(transformers: ModuleType) -> dict[str, Any]:
             num_hidden_layers=bert.n_layer, num_attention_heads=bert.n_head, hidden_size=bert.n_embd,
             intermediate_size=bert.intermediate_size, max_position_embeddings=bert.max_position_embeddings,
             vocab_size=bert.vocab_size)),
+        "mixtral": redrawn(transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            vocab_size=mixtral.vocab_size, hidden_size=mixtral.n_embd, num_hidden_layers=mixtral.n_layer,
+            num_attention_heads=mixtral.n_head, num_key_value_heads=mixtral.n_kv_head,
+            num_local_experts=mixtral.n_expert, num_experts_per_tok=mixtral.top_k,
+            intermediate_size=mixtral.expert_size, max_position_embeddings=mixtral.block_size,
+            rms_norm_eps=mixtral.norm_eps, rope_theta=mixtral.rope_base,
+            router_aux_loss_coef=mixtral.load_balance_coefficient, tie_word_embeddings=False))),
+        "qwen3_moe": redrawn(transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            vocab_size=qwen3.vocab_size, hidden_size=qwen3.n_embd, num_hidden_layers=qwen3.n_layer,
+            num_attention_heads=qwen3.n_head, num_key_value_heads=qwen3.n_kv_head, head_dim=qwen3.head_dim,
+            num_experts=qwen3.n_expert, num_experts_per_tok=qwen3.top_k, moe_intermediate_size=qwen3.expert_size,
+            norm_topk_prob=qwen3.normalize_top_k, max_position_embeddings=qwen3.block_size,
+            rms_norm_eps=qwen3.norm_eps, rope_theta=qwen3.rope_base,
+            router_aux_loss_coef=qwen3.load_balance_coefficient, tie_word_embeddings=False))),
     }
+
+
+def redrawn(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every weight drawn from N(0, 0.2²): the norms' too, whose initial ones would hide a query norm
+    read as the key norm, and routers and experts large enough that a mix-up of experts or of their projections
+    moves the logits far beyond float32 rounding (tests/test_pretrained.py checks that it does)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    return model
 
 
 def reference_tokens() -> torch.Tensor:

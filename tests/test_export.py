@@ -1,10 +1,13 @@
 """``cohort export`` writes a checkpoint as a Hugging Face GPT-2 folder whose logits are Cohort's: computed by a
 GPT-2 forward written here from Hugging Face's names and layout (needs no transformers, so it runs everywhere), and
-by ``transformers.GPT2LMHeadModel.from_pretrained`` where transformers is installed. Mistakes get one line."""
+by ``transformers.GPT2LMHeadModel.from_pretrained`` where transformers is installed; a mixture of experts as a Mixtral
+or Qwen3-MoE folder, as its shape says. Mistakes get one line. (tests/test_pretrained.py exports every family after
+training from transformers' own folders.)"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +20,14 @@ from safetensors.torch import load_file
 from app.__main__ import main
 from app.safety.checkpoint_reading import consolidate
 from core.errors import UserError
+from models.class_paths import class_path_of
 from models.gpt.family import GPTLanguageModel
 from models.gpt.huggingface import huggingface_gpt2_state_dict
 from models.gpt.network import GPTConfig
+from models.module import CohortModule
+from models.moe.family import MoELanguageModel
+from models.moe.huggingface import huggingface_moe_config
+from models.moe.network import MOE_CONFIGS
 from tests.helpers import MODEL_PARALLEL, fit, last_checkpoint, one_line_error
 
 TOKENS = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))  # a full debug-model context
@@ -30,23 +38,25 @@ GPT2_NAMES = {f"transformer.{name}" for name in ("wte.weight", "wpe.weight", "ln
 
 @pytest.fixture
 def checkpoint(tmp_path: Path) -> Path:
-    """A debug-model checkpoint with the keys of cohort fit's that export and load_from_checkpoint read, every
+    return random_checkpoint(GPTLanguageModel("debug", vocab_size=256), tmp_path / "last.ckpt")
+
+
+def random_checkpoint(module: CohortModule, path: Path) -> Path:
+    """A checkpoint of ``module`` with the keys of cohort fit's that export and load_from_checkpoint read, every
     weight random: a bias or norm put in the wrong place, at its initial 0 or 1, would change no logits."""
-    module = GPTLanguageModel("debug", vocab_size=256)
     module.configure_model()
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for param in module.parameters():
             param.copy_(0.3 * torch.randn(param.shape, generator=generator))
-    path = tmp_path / "last.ckpt"
     torch.save({"pytorch-lightning_version": L.__version__, "global_step": 3, "state_dict": module.state_dict(),
-                "hyper_parameters": dict(module.hparams)}, path)
+                "hyper_parameters": dict(module.hparams), "cohort_model_class": class_path_of(type(module))}, path)
     return path
 
 
-def cohort_logits(path: Path) -> torch.Tensor:
+def cohort_logits(path: Path, family: type[CohortModule] = GPTLanguageModel) -> torch.Tensor:
     with torch.no_grad():
-        return GPTLanguageModel.load_from_checkpoint(path).eval()(TOKENS)
+        return family.load_from_checkpoint(path).eval()(TOKENS)
 
 
 def gpt2_logits(folder: Path) -> torch.Tensor:
@@ -138,11 +148,11 @@ def test_export_names_a_missing_checkpoint_in_one_line(tmp_path: Path, monkeypat
 
 @pytest.mark.parametrize("change, expected", [
     ({"hyper_parameters": {}},
-     "is not a checkpoint of a Cohort GPT, Llama or BERT (no model_name among its hyperparameters)"),
+     "is not a checkpoint of a Cohort GPT, Llama, MoE or BERT (no model_name among its hyperparameters)"),
     ({"hyper_parameters": {"model_name": "small", "vocab_size": 256}},
      "the weights are not those of a Cohort GPT of 4 layers, width 128, vocabulary 256 (missing ['blocks.2.attn"),
     ({"cohort_model_class": "models.resnet.family.ImageClassifier"},
-     "holds a model of the family ImageClassifier, and cohort export writes GPT, Llama and BERT folders only"),
+     "holds a model of the family ImageClassifier, and cohort export writes GPT, Llama, MoE and BERT folders only"),
 ], ids=["no-model-name", "another-size", "another-family"])
 def test_export_refuses_what_is_not_a_cohort_gpt_checkpoint_in_one_line(
     change: dict[str, Any], expected: str, checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -157,3 +167,51 @@ def test_a_model_without_biases_is_not_gpt2() -> None:
     config = GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=4, vocab_size=16, bias=False)
     with pytest.raises(UserError, match=r"no biases \(bias=False\), and GPT-2 has biases"):
         huggingface_gpt2_state_dict({}, config)
+
+
+MOE_ARCHITECTURES = {"debug": "MixtralForCausalLM", "debug-qwen3": "Qwen3MoeForCausalLM"}  # the format of each shape
+
+
+@pytest.mark.parametrize("size", MOE_ARCHITECTURES)
+def test_export_writes_a_mixture_of_experts_in_the_format_of_its_shape(
+        size: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without qk_norm a Mixtral folder, with it a Qwen3-MoE one, holding one tensor per expert: imported again, it
+    computes the checkpoint's logits exactly."""
+    checkpoint = random_checkpoint(MoELanguageModel(size), tmp_path / "last.ckpt")
+    export(checkpoint, tmp_path / "hf", monkeypatch)
+    architecture = MOE_ARCHITECTURES[size]
+    assert f"wrote {tmp_path / 'hf'}: {architecture} with 2 layers x 4 heads, width 32, vocabulary 256, at step 3" \
+        in capsys.readouterr().out
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [architecture]
+    with torch.no_grad():
+        logits = MoELanguageModel(size, init_from=str(tmp_path / "hf")).build().eval()(TOKENS)
+    assert torch.equal(logits, cohort_logits(checkpoint, MoELanguageModel))
+
+
+@pytest.mark.parametrize("size", MOE_ARCHITECTURES)
+def test_transformers_loads_a_mixture_of_experts_export_with_cohorts_logits(
+        size: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[hf]'")
+    checkpoint = random_checkpoint(MoELanguageModel(size), tmp_path / "last.ckpt")
+    export(checkpoint, tmp_path / "hf", monkeypatch)
+    loader = getattr(transformers, MOE_ARCHITECTURES[size])
+    model, loading = loader.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(loading[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")), loading
+    with torch.no_grad():
+        logits = model.eval()(TOKENS).logits
+    # float32 rounding, the experts' outputs summed in another order: logits about 2 in size, each off by about 1e-7
+    torch.testing.assert_close(logits, cohort_logits(checkpoint, MoELanguageModel), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"shared_expert_size": 16}, "this MoE has a shared expert (shared_expert_size=16), which MixtralForCausalLM does "
+     "not compute"),
+    ({"normalize_top_k": False}, "this MoE has the chosen experts' probabilities left unnormalised (normalize_top_k "
+     "false), which MixtralForCausalLM does not compute"),
+    ({"qk_norm": True, "shared_expert_size": 16}, "which Qwen3MoeForCausalLM does not compute"),
+], ids=["shared-expert", "mixtral-unnormalised", "qwen3-shared-expert"])
+def test_a_mixture_of_experts_neither_format_computes_is_refused_in_one_line(change: dict[str, Any],
+                                                                             expected: str) -> None:
+    with pytest.raises(UserError) as error:
+        huggingface_moe_config(replace(MOE_CONFIGS["debug"], **change))
+    assert expected in str(error.value) and "\n" not in str(error.value), str(error.value)

@@ -2,14 +2,15 @@
 Hugging Face folder's tensors load into Cohort's networks exactly, into every rank's slice under FSDP2, tensor
 parallelism and the pipeline; a folder that is not the named size's, or not safetensors, is refused in one line
 before anything is built. Folders that
-LlamaForCausalLM, GPT2LMHeadModel and BertForMaskedLM saved give Cohort the logits transformers computes, and each
-family imported, trained and exported writes what transformers saved, holding the trained weights: against the
-folders and logits saved in tests/data/huggingface/ without transformers, and against transformers itself where it
-is installed."""
+LlamaForCausalLM, GPT2LMHeadModel, BertForMaskedLM, MixtralForCausalLM and Qwen3MoeForCausalLM saved give Cohort the
+logits transformers computes, and each family imported, trained and exported writes what transformers saved, holding
+the trained weights: against the folders and logits saved in tests/data/huggingface/ without transformers, and against
+transformers itself where it is installed."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,10 +25,13 @@ from models.bert.family import BertMaskedLanguageModel
 from models.bert.huggingface import BERT_HUGGING_FACE, bert_source
 from models.bert.network import BERT, BERT_CONFIGS
 from models.gpt.family import GPTLanguageModel
-from models.interchange import HuggingFaceFolder
+from models.interchange import HuggingFaceFolder, check_config_is
 from models.llama.family import LlamaLanguageModel
 from models.llama.huggingface import LLAMA_HUGGING_FACE
 from models.llama.network import LLAMA_CONFIGS, Llama
+from models.moe.family import MoELanguageModel
+from models.moe.huggingface import MOE_HUGGING_FACE
+from models.moe.network import MOE_CONFIGS
 from tests.helpers import (
     COMPARABLE_RUN, CONFIG_DIR, DDP_2, MODEL_PARALLEL, assert_comparable_runs_agree, batch_sizes, fit, fit_in_process,
     last_checkpoint, last_checkpoint_contents, one_line_error, scalars,
@@ -71,21 +75,38 @@ def test_a_folder_loads_into_the_network_exactly(tmp_path: Path) -> None:
         assert torch.equal(family.build()(tokens), source(tokens))
 
 
+def reshard(folder: Path, in_second_shard: Callable[[str], bool]) -> None:
+    """The folder's model.safetensors split into two shards and their index, as save_pretrained writes a large
+    model: the tensors ``in_second_shard`` names go to the second."""
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    shards = {"model-00001-of-00002.safetensors": {n: t for n, t in tensors.items() if not in_second_shard(n)},
+              "model-00002-of-00002.safetensors": {n: t for n, t in tensors.items() if in_second_shard(n)}}
+    for file, shard in shards.items():
+        save_file(shard, folder / file)
+    weight_map = {name: file for file, shard in shards.items() for name in shard}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
 def test_sharded_safetensors_with_an_index_load_too(tmp_path: Path) -> None:
     folder = tmp_path / "sharded"
     source = write_llama_folder(folder)
-    tensors = huggingface_names(source.state_dict())
-    (folder / "model.safetensors").unlink()
-    names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
-    for file, shard_names in shards.items():
-        save_file({name: tensors[name] for name in shard_names}, folder / file)
-    weight_map = {name: file for file, shard_names in shards.items() for name in shard_names}
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    names = sorted(huggingface_names(source.state_dict()))
+    reshard(folder, lambda name: name in names[len(names) // 2:])
     tokens = torch.randint(0, DEBUG.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(LlamaLanguageModel("debug", init_from=str(folder)).build()(tokens), source(tokens))
+
+
+def test_experts_stored_in_two_shards_load_too(tmp_path: Path) -> None:
+    """Each stacked expert parameter is read from its experts' tensors in both shards, into its own expert's place:
+    the network computes what the one-file folder's does, to the bit."""
+    saved, tokens, _ = saved_reference("mixtral")
+    shutil.copytree(saved, tmp_path / "mixtral")
+    reshard(tmp_path / "mixtral", lambda name: ".experts.1." in name or ".experts.3." in name)
+    with torch.no_grad():
+        assert torch.equal(FAMILIES["mixtral"](tmp_path / "mixtral").build()(tokens),
+                           FAMILIES["mixtral"](saved).build()(tokens))
 
 
 def test_a_bert_pretraining_checkpoint_loads_without_its_pooler_and_next_sentence_head(tmp_path: Path) -> None:
@@ -139,12 +160,110 @@ def test_a_folder_that_is_not_the_named_size_is_refused_in_one_line(tmp_path: Pa
     assert expected in str(error.value) and "\n" not in str(error.value), str(error.value)
 
 
+def moe_folder(tmp_path: Path, family: str, **config_changes: object) -> Path:
+    """A copy of the saved Mixtral or Qwen3-MoE folder with ``config_changes`` in its config.json."""
+    folder = tmp_path / family
+    shutil.copytree(saved_reference(family)[0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return folder
+
+
+def change_tensors(folder: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    change(tensors)
+    save_file(tensors, folder / "model.safetensors")
+
+
+MIXTRAL_EXPERT = "model.layers.1.block_sparse_moe.experts.3"
+
+
+@pytest.mark.parametrize("family, size, config_changes, tensor_change, expected", [
+    ("mixtral", "debug", {"num_local_experts": 8}, None,
+     "is not a model 'debug': its config.json has n_expert 8 (model 'debug': 4)"),
+    ("qwen3_moe", "debug-qwen3", {"moe_intermediate_size": 32}, None,
+     "is not a model 'debug-qwen3': its config.json has expert_size 32 (model 'debug-qwen3': 16)"),
+    ("qwen3_moe", "debug", {}, None, "is not a model 'debug': its config.json has expert_size 16 (model 'debug': 32), "
+     "normalize_top_k False (model 'debug': True), head_dim 16 (model 'debug': None), qk_norm True (model 'debug': "
+     "False)"),
+    ("mixtral", "debug-qwen3", {}, None, "head_dim None (model 'debug-qwen3': 16), qk_norm False (model 'debug-qwen3': "
+     "True)"),
+    ("qwen3_moe", "debug-qwen3", {"model_type": "qwen2_moe"}, None,
+     "holds a 'qwen2_moe' model, not a Mixtral or Qwen3-MoE: give a folder of one of them"),
+    ("mixtral", "debug", {"sliding_window": 4096}, None,
+     "its config.json asks for what Cohort's Mixtral does not compute: sliding_window=4096 (Cohort's Mixtral: None)"),
+    ("qwen3_moe", "debug-qwen3", {"use_sliding_window": True, "sliding_window": 32}, None,
+     "asks for what Cohort's Qwen3-MoE does not compute: sliding_window=32 (Cohort's Qwen3-MoE: None)"),
+    ("qwen3_moe", "debug-qwen3", {"decoder_sparse_step": 2}, None,
+     "asks for what Cohort's Qwen3-MoE does not compute: decoder_sparse_step=2 (Cohort's Qwen3-MoE: 1)"),
+    ("qwen3_moe", "debug-qwen3", {"mlp_only_layers": [1]}, None,
+     "asks for what Cohort's Qwen3-MoE does not compute: mlp_only_layers=[1] (Cohort's Qwen3-MoE: [])"),
+    ("mixtral", "debug", {}, lambda tensors: tensors.pop(f"{MIXTRAL_EXPERT}.w2.weight"),
+     f"does not hold the weights its config.json describes (missing: {MIXTRAL_EXPERT}.w2.weight)"),
+    ("mixtral", "debug", {}, lambda tensors: tensors.update({f"{MIXTRAL_EXPERT}.w1.weight": torch.zeros(16, 32)}),
+     f"(other shapes: {MIXTRAL_EXPERT}.w1.weight (16, 32) (Cohort's layers.1.mlp.experts.gate_proj: (4, 32, 32)))"),
+    ("mixtral", "debug", {}, lambda tensors: tensors.update({f"{MIXTRAL_EXPERT[:-1]}4.w1.weight": torch.zeros(1)}),
+     f"(not used: {MIXTRAL_EXPERT[:-1]}4.w1.weight)"),
+], ids=["more-experts", "wider-experts", "qwen3-folder-for-a-mixtral-size", "mixtral-folder-for-a-qwen3-size",
+        "another-architecture", "sliding-window", "qwen3-sliding-window", "dense-layers-by-step",
+        "dense-layers-listed", "missing-expert", "expert-of-another-shape", "an-expert-too-many"])
+def test_an_moe_folder_that_is_not_the_named_size_is_refused_in_one_line(
+        tmp_path: Path, family: str, size: str, config_changes: dict[str, object],
+        tensor_change: Callable[[dict[str, torch.Tensor]], None] | None, expected: str) -> None:
+    """A Mixtral or Qwen3-MoE folder is read as its model_type says, then must be the named size (one of the other
+    shape is refused naming what differs), compute only what Cohort's MoE computes (no sliding window, every layer
+    routed) and hold each expert's tensors in their shapes, with none beside them."""
+    folder = moe_folder(tmp_path, family, **config_changes)
+    if tensor_change is not None:
+        change_tensors(folder, tensor_change)
+    with pytest.raises(UserError) as error:
+        MOE_HUGGING_FACE.check_pretrained(HuggingFaceFolder(folder), MOE_CONFIGS[size], size)
+    assert expected in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+# config.json of the Hub's Mixtral-8x7B-v0.1 (transformers 4.36) and Qwen3-30B-A3B (4.51), as published
+HUB_CONFIGS = {
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "attention_dropout": 0.0, "bos_token_id": 1,
+        "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 14336, "max_position_embeddings": 32768, "num_attention_heads": 32,
+        "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+        "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "vocab_size": 32000},
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645,
+        "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+        "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+        "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+        "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 151936},
+}
+
+
+@pytest.mark.parametrize("size", HUB_CONFIGS)
+def test_the_hubs_config_json_describes_the_named_size(tmp_path: Path, size: str) -> None:
+    """The published models' config.json (the Hub's Qwen3-MoE writes num_experts, which transformers 5 saves as
+    num_local_experts: both are read) is exactly the size of the same name, so their folders load into it."""
+    (tmp_path / "config.json").write_text(json.dumps(HUB_CONFIGS[size]))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))  # the config alone
+    folder = HuggingFaceFolder(tmp_path)
+    check_config_is(MOE_CONFIGS[size], MOE_HUGGING_FACE.config_from(folder), size, folder)
+
+
 def test_the_command_refuses_a_folder_of_another_size_before_it_starts(tmp_path: Path, byte_corpus: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     write_llama_folder(tmp_path / "llama")
     args = ["fit", "-c", str(CONFIG_DIR / "llama-small/pretrain.yaml"), "--data.data_dir", str(byte_corpus),
             "--model.init_from", str(tmp_path / "llama")]
     refusal = one_line_error(args, monkeypatch)
+    assert "is not a model 'small': its config.json has n_layer 2 (model 'small': 4)" in refusal
+    moe = ["fit", "-c", str(CONFIG_DIR / "moe-small/pretrain.yaml"), "--data.data_dir", str(byte_corpus),
+           "--model.init_from", str(saved_reference("mixtral")[0])]
+    refusal = one_line_error(moe, monkeypatch)
     assert "is not a model 'small': its config.json has n_layer 2 (model 'small': 4)" in refusal
 
 
@@ -193,19 +312,34 @@ def test_an_imported_llama_trains_under_every_layout_as_one_process_does(importe
         scalars(imported_runs["one process"], "val/loss")[0], rel=1e-3)
 
 
+@pytest.mark.slow
+def test_an_imported_mixture_of_experts_trains_sharded_as_one_process_does(tmp_path: Path, byte_corpus: Path) -> None:
+    """FSDP2 over 2 processes shards each stacked expert parameter by experts, each rank keeping its part of the
+    stack read from the folder's expert tensors: the same losses, gradient norms and weights (within the Adam bound)
+    as one process that imported the Mixtral folder."""
+    run = ["-c", str(CONFIG_DIR / "moe-small/pretrain.yaml"), "--model.model_name", "debug", "--model.init_from",
+           str(saved_reference("mixtral")[0]), "--data.data_dir", str(byte_corpus), "--data.sequence_length", "64",
+           "--trainer.log_every_n_steps", "1", "--model.optimizer.warmup_steps", "2", "--model.max_new_tokens", "0",
+           *COMPARABLE_RUN]
+    assert_comparable_runs_agree(fit(tmp_path / "one", run), fit(tmp_path / "fsdp2", [*run, *MODEL_PARALLEL]))
+
+
 FAMILIES = {  # a family built from a Hugging Face folder of the test size
     "llama": lambda folder: LlamaLanguageModel("debug", init_from=str(folder)),
     "gpt2": lambda folder: GPTLanguageModel("debug", init_from=str(folder)),
     "bert": lambda folder: BertMaskedLanguageModel("bert-tiny", vocab_size=256, init_from=str(folder)),
+    "mixtral": lambda folder: MoELanguageModel("debug", init_from=str(folder)),
+    "qwen3_moe": lambda folder: MoELanguageModel("debug-qwen3", init_from=str(folder)),
 }
 # float32 rounding of logits about 0.5 in size, summed in another order: about 1e-7 each
 LOGITS_AGREE = 1e-5
 
 
 def test_hugging_face_folders_give_the_logits_transformers_computes(tmp_path: Path) -> None:
-    """LlamaForCausalLM, GPT2LMHeadModel and BertForMaskedLM of the test sizes, random weights, saved by the installed
-    transformers (no download): the families built from the folders compute transformers' logits within float32
-    rounding (GPT-2's qkv rows are reordered head by head and its Conv1D weights transposed on the way in)."""
+    """LlamaForCausalLM, GPT2LMHeadModel, BertForMaskedLM, MixtralForCausalLM and Qwen3MoeForCausalLM of the test
+    sizes, random weights, saved by the installed transformers (no download): the families built from the folders
+    compute transformers' logits within float32 rounding (GPT-2's qkv rows are reordered head by head and its Conv1D
+    weights transposed on the way in; each MoE expert parameter is stacked from one tensor per expert)."""
     transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[hf]'")
     tokens = reference_tokens()
     for family, reference in reference_models(transformers).items():
@@ -231,7 +365,12 @@ def test_the_saved_logits_are_what_transformers_computes() -> None:
     folder and computes the saved logits."""
     transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[hf]'")
     for family, model_class in (("llama", "LlamaForCausalLM"), ("gpt2", "GPT2LMHeadModel"),
-                                ("bert", "BertForMaskedLM")):
+                                ("bert", "BertForMaskedLM"), ("mixtral", "MixtralForCausalLM"),
+                                ("qwen3_moe", "Qwen3MoeForCausalLM")):
+        if int(transformers.__version__.split(".")[0]) < 5 and family in ("mixtral", "qwen3_moe"):
+            # transformers 5 saved them with keys 4 does not read (the RoPE base in rope_parameters only, Qwen3-MoE's
+            # num_experts as num_local_experts): 4 builds them with its own defaults (base 1e6, 128 experts)
+            continue
         folder, tokens, logits = saved_reference(family)
         model = getattr(transformers, model_class).from_pretrained(folder).eval()
         with torch.no_grad():
@@ -243,6 +382,10 @@ ROUND_TRIP_RECIPES = {  # each family's CPU recipe at the test size, whose netwo
               "--model.max_new_tokens", "0"],
     "gpt2": ["-c", str(CONFIG_DIR / "quickstart.yaml"), "--model.model_name", "debug", "--model.max_new_tokens", "0"],
     "bert": ["-c", str(CONFIG_DIR / "bert-small/pretrain.yaml"), "--model.model_name", "bert-tiny"],
+    "mixtral": ["-c", str(CONFIG_DIR / "moe-small/pretrain.yaml"), "--model.model_name", "debug",
+                "--model.max_new_tokens", "0"],
+    "qwen3_moe": ["-c", str(CONFIG_DIR / "moe-small/pretrain.yaml"), "--model.model_name", "debug-qwen3",
+                  "--model.max_new_tokens", "0"],
 }
 ROUND_TRIP_STEPS = 10
 

@@ -24,10 +24,10 @@ def test_each_family_is_a_folder_of_its_own_with_one_record() -> None:
 
 
 def test_the_families_that_read_and_write_hugging_face_folders() -> None:
-    assert [(family.name, family.model_type) for family in EXPORTED] == [
-        ("gpt", "gpt2"), ("llama", "llama"), ("bert", "bert")]
-    assert family_named("resnet").huggingface is None and family_named("resnet").model_type is None
-    assert labels(EXPORTED, "or") == "GPT, Llama or BERT"
+    assert [(family.name, family.model_types) for family in EXPORTED] == [
+        ("gpt", ("gpt2",)), ("llama", ("llama",)), ("moe", ("mixtral", "qwen3_moe")), ("bert", ("bert",))]
+    assert family_named("resnet").huggingface is None and family_named("resnet").model_types == ()
+    assert labels(EXPORTED, "or") == "GPT, Llama, MoE or BERT"
 
 
 def test_an_old_class_path_finds_its_family() -> None:

@@ -21,7 +21,7 @@ COMMANDS: dict[str, str] = {
     "plan": "the layouts to run a recipe on a cluster, ranked by predicted step time and memory (--try K runs them)",
     "comm": "collective bandwidth (all-reduce, all-gather, reduce-scatter) of the launched processes",
     "consolidate": "turn a sharded checkpoint folder into one file, to share or for load_from_checkpoint",
-    "export": "write a GPT, Llama or BERT checkpoint as a Hugging Face folder (--out) that transformers loads",
+    "export": "write a GPT, Llama, MoE or BERT checkpoint as a Hugging Face folder (--out) that transformers loads",
 }
 
 

@@ -1,15 +1,16 @@
-"""``cohort export``: write a checkpoint's GPT, Llama or BERT as a Hugging Face folder (config.json,
+"""``cohort export``: write a checkpoint's GPT, Llama, MoE or BERT as a Hugging Face folder (config.json,
 model.safetensors).
 
     cohort export lightning_logs/version_0/checkpoints/last.ckpt --out my-gpt
     python -c "from transformers import GPT2LMHeadModel; GPT2LMHeadModel.from_pretrained('my-gpt')"
     python -c "from transformers import LlamaForCausalLM; LlamaForCausalLM.from_pretrained('my-llama')"
     python -c "from transformers import BertForMaskedLM; BertForMaskedLM.from_pretrained('my-bert')"
+    python -c "from transformers import MixtralForCausalLM; MixtralForCausalLM.from_pretrained('my-moe')"
 
 The checkpoint is a file or a sharded folder (read in this one process, as ``cohort consolidate`` reads it). The
-folder holds GPT-2's, LlamaForCausalLM's or BertForMaskedLM's own parameter names and layout
-(models/<family>/huggingface.py), so transformers computes the same logits as Cohort. No tokenizer is written: Cohort's
-checkpoints do not say which one the data was prepared with.
+folder holds GPT-2's, LlamaForCausalLM's, BertForMaskedLM's, MixtralForCausalLM's or (an MoE with qk_norm)
+Qwen3MoeForCausalLM's own parameter names and layout (models/<family>/huggingface.py), so transformers computes the
+same logits as Cohort. No tokenizer is written: Cohort's checkpoints do not say which one the data was prepared with.
 """
 
 from __future__ import annotations

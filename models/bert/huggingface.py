@@ -110,6 +110,6 @@ def bert_sources(folder: HuggingFaceFolder, config: BertConfig) -> Callable[[str
 
 
 BERT_HUGGING_FACE = HuggingFaceAdapter(
-    model_type=MODEL_TYPE, network=BERT, config_from=bert_config_from, sources=bert_sources,
+    model_types=(MODEL_TYPE,), network=BERT, config_from=bert_config_from, sources=bert_sources,
     config_json=lambda family: huggingface_bert_config(family.config, family.special_tokens),
     weights=huggingface_bert_state_dict)

@@ -143,5 +143,5 @@ def gpt2_sources(folder: HuggingFaceFolder, config: GPTConfig) -> Callable[[str]
 
 
 GPT_HUGGING_FACE = HuggingFaceAdapter(
-    model_type=MODEL_TYPE, network=GPT, config_from=gpt_config_from, sources=gpt2_sources,
+    model_types=(MODEL_TYPE,), network=GPT, config_from=gpt_config_from, sources=gpt2_sources,
     config_json=lambda family: huggingface_gpt2_config(family.config), weights=huggingface_gpt2_state_dict)

@@ -16,6 +16,7 @@ from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
 from models.causal_language_model import CausalLanguageModel
 from models.llama.family import LLAMA_PIPELINE_SPLIT
+from models.moe.huggingface import MOE_HUGGING_FACE
 from models.moe.network import MoE, MoEConfig, MoEFeedForward, moe_config, moe_parameter_counts, moe_training_flops_per_token
 from models.optimizer import OptimizerSettings
 from models.parallel.parallelize import TensorParallelPlan
@@ -31,6 +32,7 @@ MOE_TENSOR_PARALLEL_PLAN: TensorParallelPlan = {
 
 class MoELanguageModel(CausalLanguageModel):
     label = "MoE"
+    huggingface = MOE_HUGGING_FACE
 
     def __init__(
         self,
@@ -49,15 +51,15 @@ class MoELanguageModel(CausalLanguageModel):
     ) -> None:
         """
         Args:
-            model_name: a size from models.moe.network.MOE_CONFIGS ("debug", "small", "mixtral-8x7b",
-                "qwen3-30b-a3b").
+            model_name: a size from models.moe.network.MOE_CONFIGS ("debug", "debug-qwen3", "small",
+                "mixtral-8x7b", "qwen3-30b-a3b").
             vocab_size: overrides the size's vocabulary; the CLI links it to data.vocab_size.
             capacity_factor: token choices each expert takes per sequence, as a multiple of an even share (1.25:
                 a quarter more); the rest are dropped and counted. None: the size's (none of them drops).
             load_balance_coefficient: weight of the routers' load-balancing loss in the training loss; None: the
                 size's (0.01; Mixtral's 0.02, Qwen3's 0.001).
-            init_from: a local Hugging Face folder of this size whose weights the run starts from; None: initial
-                weights from the seed.
+            init_from: a local Hugging Face folder of this size, Mixtral's or Qwen3-MoE's (models/moe/huggingface.py),
+                whose weights the run starts from; None: initial weights from the seed.
             max_new_tokens: tokens generated per prompt by ``predict``.
             temperature: sampling temperature for generation.
             top_k: sample among the k most likely tokens only; None samples from all (the router's top-k is the

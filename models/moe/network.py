@@ -78,12 +78,17 @@ class MoEConfig:
         return math.ceil(self.capacity_factor * sequence_length * self.top_k / self.n_expert)
 
 
-# Named sizes: "debug" for tests; "small" learns the embedded byte-level corpus on 2 CPU cores with as many active
+# Named sizes: "debug" for tests, of Mixtral's shape, and "debug-qwen3" of Qwen3-MoE's (queries and keys normalised,
+# heads wider than n_embd / n_head, the chosen experts' probabilities not renormalised); "small" learns the embedded
+# byte-level corpus on 2 CPU cores with as many active
 # parameters as Llama's "small" (two experts of half its MLP width per token); "mixtral-8x7b" and "qwen3-30b-a3b"
 # are those models' shapes (46.7B and 30.5B parameters, 12.9B and 3.3B active).
 MOE_CONFIGS: dict[str, MoEConfig] = {
     "debug": MoEConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, n_expert=4, top_k=2, expert_size=32,
                        block_size=64, vocab_size=BYTE_VOCAB_SIZE),
+    "debug-qwen3": MoEConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, n_expert=4, top_k=2, expert_size=16,
+                             normalize_top_k=False, load_balance_coefficient=0.001, head_dim=16, qk_norm=True,
+                             block_size=64, vocab_size=BYTE_VOCAB_SIZE, norm_eps=1e-6),
     "small": MoEConfig(n_layer=4, n_head=4, n_kv_head=2, n_embd=128, n_expert=8, top_k=2, expert_size=176,
                        block_size=128, vocab_size=BYTE_VOCAB_SIZE),
     "mixtral-8x7b": MoEConfig(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, n_expert=8, top_k=2, expert_size=14336,
