@@ -49,7 +49,8 @@ class ExpertLoad:
     def __init__(self, layers: list[MoEFeedForward], tensor_parallel_size: int) -> None:
         self.layers = layers
         self.tensor_parallel_size = tensor_parallel_size
-        self.drops = any(layer.config.capacity_factor is not None for layer in layers)  # per-layer drops charted
+        # whether a layer may drop choices: then each layer's dropped share is logged and charted too
+        self.drops = any(layer.config.capacity_factor is not None for layer in layers)
         self.chosen: torch.Tensor | None = None  # (layers, experts) this step's token choices so far
         self.dropped: torch.Tensor | None = None  # (layers,) this step's dropped choices so far
         self.logged_imbalance: list[tuple[int, float]] = []  # (step, moe/imbalance) of each logged step
