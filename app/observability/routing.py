@@ -11,8 +11,9 @@ ranks and the host reads it once; the other steps' sums are dropped, costing no 
 the same all-reduces: the logger's steps are counted alike on every rank, and a stop that adds one (preemption) is
 agreed between them first.
 
-Tensor-parallel ranks of one data-parallel rank route the same tokens (their activations are replicated), so the sum
-over all ranks counts each choice tensor_parallel_size times: it is divided by that. Under expert parallelism each
+The all-reduce is over all ranks, each holding every layer (the MoE family has no pipeline split). Tensor-parallel
+ranks of one data-parallel rank route the same tokens (their activations are replicated), so the sum counts each
+choice tensor_parallel_size times: it is divided by that. Under expert parallelism each
 rank still counts its own tokens' choices for all experts, before they travel to their experts' ranks.
 
 Logged per optimizer step, from the token choices of every micro-batch of every data-parallel rank:
