@@ -26,6 +26,7 @@ MOE_RUN = ["-c", str(CONFIG_DIR / "moe-small/pretrain.yaml"), "--model.model_nam
            "--trainer.limit_val_batches", "0", "--model.max_new_tokens", "5", "--trainer.max_steps", "3",
            "--trainer.log_every_n_steps", "2"]  # 3 steps, logged at step 2 only
 RECORD = ["--trainer.callbacks+=tests.helpers.RecordRouterInputs"]
+Records = list[tuple[int, torch.Tensor, torch.Tensor]]  # (layer, router input, router weight): RecordRouterInputs'
 
 
 def as_logged(value: float) -> object:
@@ -34,8 +35,7 @@ def as_logged(value: float) -> object:
     return pytest.approx(value, rel=2**-23)
 
 
-def hand_count(records: list[tuple[int, torch.Tensor, torch.Tensor]], capacity: int | None
-               ) -> tuple[list[list[int]], list[int]]:
+def hand_count(records: Records, capacity: int | None) -> tuple[list[list[int]], list[int]]:
     """Token choices per expert of each layer, and the choices dropped, over the recorded forwards: each token's
     top-k of the router's softmax; per sequence, an expert's choices beyond ``capacity`` (its first come first)."""
     chosen, dropped = [[0] * DEBUG.n_expert for _ in range(DEBUG.n_layer)], [0] * DEBUG.n_layer
@@ -52,7 +52,7 @@ def hand_count(records: list[tuple[int, torch.Tensor, torch.Tensor]], capacity: 
     return chosen, dropped
 
 
-def step_records(run_dir: Path, rank: int, step: int, accumulation: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+def step_records(run_dir: Path, rank: int, step: int, accumulation: int) -> Records:
     """The records of optimizer step ``step`` (from 1) on ``rank``: its micro-batches' forwards, every layer each."""
     records = torch.load(run_dir / f"router_inputs_rank{rank}.pt")
     per_step = accumulation * DEBUG.n_layer
@@ -109,7 +109,8 @@ def test_one_process_logs_the_hand_count_of_the_steps_two_micro_batches_with_its
     summary = f"{imbalance:.2f} at step 2, {imbalance:.2f} at step 2 (most chosen expert / mean, worst layer)"
     assert re.search(r"expert load imbalance +" + re.escape(summary), caplog.text), caplog.text
     share = sum(dropped) / sum(map(sum, chosen))
-    assert re.search(rf"dropped token choices +{re.escape(f'{share:.2%}')} of the logged steps'", caplog.text)
+    assert re.search(rf"dropped token choices +{re.escape(f'{share:.2%}')} of the choices in the logged steps",
+                     caplog.text)
 
     events = EventAccumulator(str(tmp_path / "lightning_logs" / "version_0"), size_guidance={"tensors": 0})
     events.Reload()

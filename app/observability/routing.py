@@ -111,7 +111,8 @@ class ExpertLoad:
         (first_step, first), (last_step, last) = self.logged_imbalance[0], self.logged_imbalance[-1]
         return [("expert load imbalance", f"{first:.2f} at step {first_step}, {last:.2f} at step {last_step} "
                                           "(most chosen expert / mean, worst layer)"),
-                ("dropped token choices", f"{self.logged_dropped / self.logged_choices:.2%} of the logged steps'")]
+                ("dropped token choices",
+                 f"{self.logged_dropped / self.logged_choices:.2%} of the choices in the logged steps")]
 
 
 def step_statistics(chosen: torch.Tensor, dropped: torch.Tensor, per_layer_drops: bool) -> dict[str, float]:
