@@ -497,6 +497,28 @@ class AllReduceLog(Callback):
         (self.out_dir / f"allreduce_log_rank{trainer.global_rank}.json").write_text(json.dumps(self.calls))
 
 
+
+class RecordRouterInputs(Callback):
+    """Records, per rank, what each MoE layer's router saw in every training forward, in order: (layer, its input
+    (B, T, C), the router's weight then), for the tests to count the routers' choices by hand."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+        self.records: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from models.moe.family import moe_layers
+
+        for index, layer in enumerate(moe_layers(pl_module)):
+            def record(module: torch.nn.Module, inputs: tuple[torch.Tensor], index: int = index) -> None:
+                if module.training:  # not validation's
+                    self.records.append((index, inputs[0].detach().clone(), module.router.weight.detach().clone()))
+
+            layer.register_forward_pre_hook(record)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        torch.save(self.records, self.out_dir / f"router_inputs_rank{trainer.global_rank}.pt")
+
 def local_and_whole(tensors: list[torch.Tensor]) -> list[int]:
     """[bytes this rank holds of ``tensors`` (a DTensor's local shard), bytes of their whole]."""
     local = [tensor.to_local() if isinstance(tensor, DTensor) else tensor for tensor in tensors]

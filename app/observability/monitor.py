@@ -11,6 +11,7 @@ app/strategies/local_updates.py, the sync after the optimizer step every H steps
 GPUs the compute and sync markers are CUDA events, so they measure the device, not the launch queue.
 
 What the monitor concludes from each window (stragglers, a departing loss, slow data): app/observability/verdicts.py.
+A mixture of experts' load per expert and dropped tokens, per logged step: app/observability/routing.py.
 
 Under a pipeline each rank also reports its stages' compute inside the schedule and the time it waited there on
 the other stages; that wait is idle, not compute. The share of the pipeline's time in which a rank did not compute
@@ -37,6 +38,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from app.observability.fields import (COMPUTE, CUDA_PEAK_ALLOCATED, CUDA_PEAK_RESERVED, DATA_WAIT, FIELDS, HOST_RSS,
                                       LOSS, LOSS_STD, PIPELINE_COMPUTE, PIPELINE_WAIT, STEP, SYNC_WAIT, logged_fields)
 from app.observability.flops import measured_peak_tflops, peak_tflops_per_device
+from app.observability.routing import ExpertLoad
 from app.observability.tensorboard_layout import log_final_val_loss, write_layout
 from app.observability.verdicts import DataWaitWatch, StragglerWatch, loss_departures
 from core.errors import check_ranges
@@ -131,6 +133,7 @@ class RankMonitor(Callback):
         self._pipeline: Any = None  # set at train start: the module's Pipeline (models/parallel/pipeline.py), if any
         self._cuda = False  # set at train start: the device is a GPU
         self._fields = logged_fields(self._cuda, pipeline=False)  # set at train start: those this run logs
+        self._expert_load: ExpertLoad | None = None  # set at train start: a mixture of experts' routing, if any
         # seconds, for the step time and the markers off GPUs; tests give it timings of their own, which a busy
         # machine cannot move
         self.clock: Callable[[], float] = time.perf_counter
@@ -158,7 +161,8 @@ class RankMonitor(Callback):
         if dist.is_available() and dist.is_initialized():
             dist.all_gather_object(self.hosts, socket.gethostname())  # once per run
         self._sync_measured = self._register_sync_timer(trainer)
-        write_layout(trainer, self._fields)
+        self._expert_load = ExpertLoad.of(pl_module, plan)
+        write_layout(trainer, self._fields, self._expert_load.charts() if self._expert_load else None)
         self._reset_window()
 
     def _register_sync_timer(self, trainer: L.Trainer) -> bool:
@@ -232,6 +236,8 @@ class RankMonitor(Callback):
                                     self._after_backward if bucket_ready is not None else None))
         # Lightning hands back the loss divided by the accumulation steps
         self._losses.append(outputs["loss"].detach() * self._plan.accumulation)
+        if self._expert_load is not None:
+            self._expert_load.after_micro_batch(trainer, self._plan.ends_optimizer_step(batch_idx))
         if self._plan.ends_optimizer_step(batch_idx):
             self._steps += 1
             if self._steps == self.every_n_steps:
@@ -345,6 +351,7 @@ class RankMonitor(Callback):
             ("waiting for the slowest rank", f"{mean('monitor/straggler_cost_share'):.1%} of the step"
              if "monitor/straggler_cost_share" in last else "n/a (sync wait not timed)"),
         ]
+        rows += self._expert_load.summary_rows() if self._expert_load else []
         width = max(len(name) for name, _ in rows)
         rank_zero_info("run summary (" + f"{len(self.summary)} windows of {self.every_n_steps} steps)\n"
                        + "\n".join(f"  {name:<{width}}  {value}" for name, value in rows))

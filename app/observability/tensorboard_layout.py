@@ -1,6 +1,6 @@
 """What a run's TensorBoard folder holds beyond the logged scalars: a custom-scalars layout that draws every rank's
-series of a monitor field as one chart, beside a min/median/max band, and the final validation loss for the HParams
-tab.
+series of a monitor field as one chart, beside a min/median/max band (and a mixture of experts' routing charts in a
+category of their own), and the final validation loss for the HParams tab.
 
 The layout is in the CUSTOM SCALARS tab. The HPARAMS tab compares runs by ``hp_metric``: Lightning declares it with
 the hyperparameters at fit start (-1, a placeholder), and the monitor logs the run's last ``val/loss`` to it when
@@ -40,12 +40,14 @@ def tensorboard_loggers(trainer: L.Trainer) -> list[TensorBoardLogger]:
     return [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
 
 
-def write_layout(trainer: L.Trainer, fields: tuple[WindowField, ...]) -> None:
-    """Rank 0 writes the layout of the monitor's ``fields`` into each TensorBoard run, once per run (TensorBoard allows
+def write_layout(trainer: L.Trainer, fields: tuple[WindowField, ...],
+                 more: dict[str, dict[str, list[Any]]] | None = None) -> None:
+    """Rank 0 writes the layout of the monitor's ``fields``, and the categories of charts in ``more`` after it (a
+    mixture of experts': app/observability/routing.py), into each TensorBoard run, once per run (TensorBoard reads
     one per writer)."""
     if trainer.is_global_zero:
         for logger in tensorboard_loggers(trainer):
-            logger.experiment.add_custom_scalars(custom_scalars_layout(fields))
+            logger.experiment.add_custom_scalars({**custom_scalars_layout(fields), **(more or {})})
 
 
 def log_final_val_loss(trainer: L.Trainer) -> None:

@@ -1,7 +1,8 @@
 """The mixture-of-experts family: the LightningModule that trains models/moe/network.py's decoder, what every
 next-token family shares (models/causal_language_model.py) plus the routers' load-balancing loss, with the sizes,
 the tensor-parallel plan (attention and the shared expert; the routed experts stay whole on each tensor-parallel rank)
-and Llama's pipeline split, where each stage adds its own routers' balance loss."""
+Llama's pipeline split, where each stage adds its own routers' balance loss, and the balance loss it logs. The
+monitor logs the routing per step (expert load, dropped tokens): app/observability/routing.py."""
 
 from __future__ import annotations
 
