@@ -1,6 +1,7 @@
 """The mixture of experts in pipeline stages trains as one process does: each stage's routers' balance loss reaches
 the training loss through that stage's own backward (models/parallel/pipeline.py AddedLossGradient), with the
-weight one process gives it, under 1F1B and under a zero-bubble schedule, whose backward is split in two.
+weight one process gives it, under 1F1B and under a zero-bubble schedule, whose backward is split in two; and the
+routing statistics the monitor logs, counted on each stage, are the one process's.
 
 The balance loss weighs 1.0 here (0.01 by default), so that a stage whose balance gradient went missing, or counted
 twice, would change the gradient norm far beyond the float32 rounding the comparison allows."""
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from models.moe.network import MoEFeedForward
-from tests.helpers import fit, fit_in_process
+from tests.helpers import fit, fit_in_process, scalars
 from tests.test_pipeline import assert_trains_as_one_process_does, schedule
 
 pytestmark = pytest.mark.slow
@@ -62,3 +63,9 @@ def test_the_mixture_of_experts_in_pipeline_stages_trains_as_one_process_does(
     pipelined = fit(tmp_path / layout, args, *(schedule("1F1B", 4) if layout == "1F1B" else
                                                schedule("ZBVZeroBubble", 4)))
     assert_trains_as_one_process_does(one_process, pipelined)
+    # every choice alike: the token choices per expert, logged per step from every stage's pipeline micro-batches
+    # (app/observability/routing.py), are the one process's, count for count
+    layers = 2 if layout == "1F1B" else 4
+    for tag in ("moe/load_min", "moe/load_median", "moe/load_max", *(f"moe/imbalance/layer{layer}"
+                                                                     for layer in range(layers))):
+        assert scalars(pipelined, tag) == scalars(one_process, tag), tag

@@ -6,14 +6,17 @@ MoEFeedForward); a family without experts logs none of this.
 Each MoE layer keeps what its last forward routed: the token choices per expert, before capacity drops any, and the
 dropped ones. After every training micro-batch they are added up on the device, into a (layers, experts) tensor, so
 no micro-batch waits for the device (under activation checkpointing the recomputed forward routes the same tokens
-alike and leaves the same counts). On the steps the logger writes, one all-reduce of that tensor sums it over the
+alike and leaves the same counts). Under a pipeline a stage runs a micro-batch in pipeline micro-batches, each
+leaving its own counts: they are added after each stage forward instead (a forward hook on the stage: the blocks'
+recomputation runs inside it, not as another). On the steps the logger writes, one all-reduce of that tensor sums it over the
 ranks and the host reads it once; the other steps' sums are dropped, costing no collective. Every rank takes part in
 the same all-reduces: the logger's steps are counted alike on every rank, and a stop that adds one (preemption) is
 agreed between them first.
 
-The all-reduce is over all ranks, each holding every layer (the MoE family has no pipeline split). Tensor-parallel
-ranks of one data-parallel rank route the same tokens (their activations are replicated), so the sum counts each
-choice tensor_parallel_size times: it is divided by that. Under expert parallelism each
+The all-reduce is over all ranks. Each rank fills the rows of the layers it holds (every layer, or under a pipeline its
+stages' layers, by their index in the network) and leaves the others zero, so the sum counts each layer once per
+data-parallel rank. Tensor-parallel ranks of one data-parallel rank route the same tokens (their activations are
+replicated), so the sum counts each choice tensor_parallel_size times: it is divided by that. Under expert parallelism each
 rank still counts its own tokens' choices for all experts, before they travel to their experts' ranks.
 
 Logged per optimizer step, from the token choices of every micro-batch of every data-parallel rank:
@@ -29,6 +32,8 @@ Logged per optimizer step, from the token choices of every micro-batch of every 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import lightning as L
@@ -36,8 +41,9 @@ import torch
 import torch.distributed as dist
 
 from core.run_plan import RunPlan
-from models.moe.family import moe_layers
 from models.moe.network import MoEFeedForward
+from models.parallel.parallelize import CHECKPOINT_WRAPPER_PREFIX
+from models.parallel.pipeline import TimedStage
 
 IMBALANCE = "moe/imbalance"
 DROPPED_SHARE = "moe/dropped_share"
@@ -47,29 +53,61 @@ class ExpertLoad:
     """The token choices per expert and the dropped ones of the optimizer step under way, summed on the device over
     its micro-batches, and what the logged steps held, for the run summary."""
 
-    def __init__(self, layers: list[MoEFeedForward], tensor_parallel_size: int) -> None:
+    def __init__(self, layers: dict[int, MoEFeedForward], tensor_parallel_size: int,
+                 stages: list[TimedStage] | None = None) -> None:
+        """``layers``: the MoE layers this rank holds, by their index among the network's layers (all of them but
+        under a pipeline); ``stages``: the pipeline stages this rank runs, if any, whose forwards are counted."""
         self.layers = layers
         self.tensor_parallel_size = tensor_parallel_size
+        config = next(iter(layers.values())).config
+        self.shape = (config.n_layer, config.n_expert)  # every layer of the network, on every rank
         # whether a layer may drop choices: then each layer's dropped share is logged and charted too
-        self.drops = any(layer.config.capacity_factor is not None for layer in layers)
+        self.drops = config.capacity_factor is not None
         self.chosen: torch.Tensor | None = None  # (layers, experts) this step's token choices so far
         self.dropped: torch.Tensor | None = None  # (layers,) this step's dropped choices so far
+        self.stages = stages
+        for stage in stages or []:  # the stage's forward wrapped, as the pipeline wraps it
+            stage.submod.forward = partial(self._count_stage_forward, stage, stage.submod.forward)
         self.logged_imbalance: list[tuple[int, float]] = []  # (step, moe/imbalance) of each logged step
         self.logged_choices = self.logged_dropped = 0  # token choices and dropped ones of the logged steps
 
     @classmethod
     def of(cls, pl_module: L.LightningModule, plan: RunPlan) -> ExpertLoad | None:
         """The statistics of the module's MoE layers; None for a network without any."""
-        layers = moe_layers(pl_module)
-        return cls(layers, plan.tensor_parallel_size) if layers else None
+        network = getattr(pl_module, "model", None) or pl_module
+        layers = {layer_index(name): module for name, module in network.named_modules()
+                  if isinstance(module, MoEFeedForward)}
+        if not layers:
+            return None
+        pipeline = getattr(pl_module, "pipeline", None)
+        return cls(layers, plan.tensor_parallel_size, pipeline.stages if pipeline is not None else None)
+
+    def _count_stage_forward(self, stage: TimedStage, run: Callable[..., torch.Tensor], *inputs: Any) -> torch.Tensor:
+        """A pipeline stage's forward; of a pipeline micro-batch in training (not of evaluation, nor of torch's
+        metadata inference, on uninitialised inputs), its layers' counts are added."""
+        outputs = run(*inputs)
+        indices = [layer_index(name) for name, module in stage.submod.named_modules()
+                   if isinstance(module, MoEFeedForward)]
+        if indices and stage.forwarding_chunk and torch.is_grad_enabled():
+            self._add(indices)
+        return outputs
+
+    def _add(self, indices: Any) -> None:
+        """Add the last forward's counts of the layers at ``indices`` to the step's sums."""
+        for index in indices:
+            layer = self.layers[index]
+            if self.chosen is None:
+                self.chosen = torch.zeros(self.shape, dtype=torch.long, device=layer.tokens_per_expert.device)
+                self.dropped = torch.zeros(self.shape[0], dtype=torch.long, device=layer.tokens_per_expert.device)
+            self.chosen[index] += layer.tokens_per_expert
+            self.dropped[index] += layer.dropped_tokens
 
     def after_micro_batch(self, trainer: L.Trainer, ends_step: bool) -> None:
-        """Add the training micro-batch just run to the step's sums; at the step's end, on the steps the logger
-        writes, sum them over the ranks (a collective) and rank 0 logs the step's statistics."""
-        chosen = torch.stack([layer.tokens_per_expert for layer in self.layers])
-        dropped = torch.stack([layer.dropped_tokens for layer in self.layers])
-        self.chosen = chosen if self.chosen is None else self.chosen + chosen
-        self.dropped = dropped if self.dropped is None else self.dropped + dropped
+        """Add the training micro-batch just run to the step's sums (under a pipeline, its stages' forwards have);
+        at the step's end, on the steps the logger writes, sum them over the ranks (a collective) and rank 0 logs
+        the step's statistics."""
+        if self.stages is None:
+            self._add(self.layers)
         if not ends_step:
             return
         if trainer._logger_connector.should_update_logs:
@@ -128,3 +166,9 @@ def step_statistics(chosen: torch.Tensor, dropped: torch.Tensor, per_layer_drops
         shares = dropped.double() / loads.sum(dim=1)
         metrics.update({f"{DROPPED_SHARE}/layer{layer}": value for layer, value in enumerate(shares.tolist())})
     return metrics
+
+
+def layer_index(name: str) -> int:
+    """The index of the layer a module's name lies in: ``layers.3.mlp`` (or its checkpoint-wrapped name) -> 3."""
+    parts = name.replace(CHECKPOINT_WRAPPER_PREFIX, "").split(".")
+    return int(parts[parts.index("layers") + 1])

@@ -287,6 +287,9 @@ class TimedStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self._busy = 0.0
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # whether the stage is running a pipeline micro-batch's forward, rather than torch's metadata inference, which
+        # runs the network on uninitialised tensors of the right shapes once before the first step
+        self.forwarding_chunk = False
 
     @property
     def busy_seconds(self) -> float:
@@ -315,7 +318,11 @@ class TimedStage(PipelineStage):
         return result
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(lambda: super(TimedStage, self).forward_one_chunk(*args, **kwargs))
+        self.forwarding_chunk = True
+        try:
+            return self._timed(lambda: super(TimedStage, self).forward_one_chunk(*args, **kwargs))
+        finally:
+            self.forwarding_chunk = False
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(lambda: super(TimedStage, self).backward_one_chunk(*args, **kwargs))
@@ -363,23 +370,23 @@ class Pipeline:
         self._auxiliary_weight: float | None = None  # per sample, in a training step: 1 / (samples x accumulation)
         self._auxiliary_sum = torch.zeros((), device=device)  # this rank's auxiliary terms of the step's loss
         if split.auxiliary_loss is not None:
-            for stage in stages:
-                stage.forward = partial(self._add_auxiliary_loss, stage, stage.forward)  # type: ignore[method-assign]
+            for timed in self.stages:
+                timed.submod.forward = partial(self._add_auxiliary_loss, timed, timed.submod.forward)
         self.schedule_seconds = 0.0  # inside training schedules since the start; compute_seconds is the busy part
 
     def _loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.split.loss_sum(outputs, targets) / self._loss_denominator
 
-    def _add_auxiliary_loss(self, stage: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
+    def _add_auxiliary_loss(self, stage: TimedStage, run: Callable[[torch.Tensor], torch.Tensor],
                             x: torch.Tensor) -> torch.Tensor:
         """The stage's forward of a pipeline micro-batch, whose backward also adds the gradient of the stage's
         auxiliary loss, weighted by the pipeline micro-batch's share of the samples and the accumulation, as one
-        process adds it to the micro batch's loss. Only in a training step (not in evaluation, nor in torch's
-        shape inference, which run without gradients)."""
+        process adds it to the micro batch's loss. Only in a training step's forwards (not in evaluation, which runs
+        without gradients, nor in torch's metadata inference, whose inputs are uninitialised)."""
         outputs = run(x)
-        if self._auxiliary_weight is None or not torch.is_grad_enabled():
+        if self._auxiliary_weight is None or not torch.is_grad_enabled() or not stage.forwarding_chunk:
             return outputs
-        loss = self.split.auxiliary_loss(stage)
+        loss = self.split.auxiliary_loss(stage.submod)
         if loss is None:
             return outputs
         weight = torch.tensor(x.shape[0] * self._auxiliary_weight, dtype=loss.dtype, device=loss.device)
