@@ -53,6 +53,10 @@ class RunPlan:
     # FSDP2 under accumulation: reduce-scatter every micro-batch's gradients (sharded gradients only: less memory)
     # rather than once per optimizer step (unsharded gradients held until the step's last micro-batch)
     reduce_gradients_every_micro_batch: bool = False
+    # expert parallelism (models/parallel/expert_parallel.py): each MoE layer's experts split over this many
+    # data-parallel ranks, which exchange the routed tokens; data_parallel_size / expert_parallel_size replicas of
+    # each expert; 1: every rank holds (its FSDP2 shard of) every expert
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check_ranges("trainer", {"devices": (self.devices_per_node >= 1, "at least 1 per node"),
@@ -92,6 +96,22 @@ class RunPlan:
             raise UserError(f"trainer.strategy.init_args.data_parallel_replicate_size={replicas} must be at least 1 "
                             f"and divide data_parallel_size={self.data_parallel_size} (replicas x shards): choose a "
                             "divisor, such as the number of nodes")
+        if self.expert_parallel_size != 1:
+            self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        field = "trainer.strategy.init_args.expert_parallel_size"
+        size = self.expert_parallel_size
+        if size < 1 or self.data_parallel_size % size != 0:
+            raise UserError(f"{field}={size} must be at least 1 and divide data_parallel_size="
+                            f"{self.data_parallel_size}: the experts are split over that many data-parallel ranks")
+        if self.tensor_parallel_size > 1:
+            raise UserError(f"{field}={size} with tensor_parallel_size={self.tensor_parallel_size}: experts are split "
+                            "over data-parallel ranks only; use tensor_parallel_size 1")
+        if self.data_parallel_replicate_size > 1:
+            raise UserError(f"{field}={size} with data_parallel_replicate_size={self.data_parallel_replicate_size}: "
+                            "expert parallelism runs under FSDP2 over all data-parallel ranks; set "
+                            "data_parallel_replicate_size 1")
 
     def _check_pipeline(self) -> None:
         field = "trainer.strategy.init_args"

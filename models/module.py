@@ -65,6 +65,7 @@ class CohortModule(StepLoggedModule):
     # how the family's network reads (model.init_from) and writes (cohort export) Hugging Face folders; None: not
     huggingface: ClassVar[HuggingFaceAdapter | None] = None
     logs_perplexity: ClassVar[bool] = False  # a language model's: also exp(val/loss) as val/perplexity
+    routes_to_experts: ClassVar[bool] = False  # whether its network has experts to spread (expert_parallel_size)
 
     def __init__(self, optimizer: OptimizerSettings = OptimizerSettings()) -> None:
         """
@@ -217,6 +218,7 @@ class CohortModule(StepLoggedModule):
             autocast_dtype=self.run_plan.precision.autocast_dtype if self.run_plan is not None else None,
             keep_stage=keep_stage, pretrained=self.pretrained_weights(),
             data_parallel_replicas=self.run_plan.data_parallel_replicate_size if self.run_plan is not None else 1,
+            expert_parallel_size=self.run_plan.expert_parallel_size if self.run_plan is not None else 1,
         )
 
     @property

@@ -1,0 +1,131 @@
+"""Expert parallelism (models/parallel/expert_parallel.py, configs/trainer/expert_parallel_cpu.yaml) on gloo
+processes: the MoE 'debug' model with its experts split over 2 ranks computes the same loss, gradients and clipped
+norm as one process over the whole batch, alone (2 ranks) and with 2 replicas of each expert (4 ranks); each rank
+holds its half of the experts; runs through the CLI train as one process does, resume bitwise, and save whole
+experts; and what expert parallelism cannot do is refused in one line."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from models.moe.family import MoELanguageModel, moe_layers
+from models.moe.network import MOE_CONFIGS, MoE
+from models.parallel.parallelize import build_network, choose_gradient_reduction, clip_grad_norm_
+from tests.helpers import free_port
+
+CONFIG = MOE_CONFIGS["debug"]
+FAMILY = MoELanguageModel(model_name="debug")
+SEED = 5
+SAMPLES, TOKENS = 8, 32
+MAX_NORM = 0.1
+FORKED = "forkserver"  # as tests/test_parallelize.py: ranks forked from tests/processes.py's server
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, CONFIG.vocab_size, (SAMPLES, TOKENS + 1), generator=torch.Generator().manual_seed(0))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def router_gap(network: MoE, inputs: torch.Tensor) -> float:
+    """The smallest gap, over every token of every layer, between its k-th and (k+1)-th router probability: a
+    router choice can flip only where the layouts' rounding moves the probabilities by more than this."""
+    gaps = []
+
+    def record(layer: torch.nn.Module, args: tuple[torch.Tensor], _: torch.Tensor) -> None:
+        probabilities = layer.router(args[0].float()).softmax(dim=-1).sort(dim=-1, descending=True).values
+        gaps.append((probabilities[..., CONFIG.top_k - 1] - probabilities[..., CONFIG.top_k]).min().item())
+
+    hooks = [layer.register_forward_hook(record) for layer in moe_layers(network)]
+    with torch.no_grad():
+        network(inputs)
+    for hook in hooks:
+        hook.remove()
+    return min(gaps)
+
+
+def check_on_mesh(rank: int, port: int, data_parallel: int, expert_parallel: int, report: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=data_parallel)
+    try:
+        mesh = init_device_mesh("cpu", (data_parallel, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        make = lambda: MoE(CONFIG)  # noqa: E731
+        sharded = build_network(make, torch.device("cpu"), SEED, mesh, expert_parallel_size=expert_parallel)
+        reference = build_network(make, torch.device("cpu"), SEED)
+        inputs, targets = batch()
+        FAMILY.batch_loss(reference, (inputs, targets)).backward()
+        report[(rank, "gap")] = router_gap(reference, inputs)
+        # two micro-batches per step (accumulation), each rank's own share of each: a mean over a quarter of this
+        # rank's samples, halved as Lightning's accumulation would
+        micro_batches = list(zip(inputs.chunk(2 * data_parallel), targets.chunk(2 * data_parallel)))
+        for micro_batch in (0, 1):
+            plan = type("Plan", (), {"ends_optimizer_step": lambda self, index: index == 1,
+                                     "reduce_gradients_every_micro_batch": False})()
+            choose_gradient_reduction(sharded, plan, micro_batch)
+            loss = FAMILY.batch_loss(sharded, micro_batches[micro_batch * data_parallel + rank]) / 2
+            loss.backward()
+        report[(rank, "norm")] = {"sharded": clip_grad_norm_(sharded, sharded.parameters(), MAX_NORM).item(),
+                                  "reference": torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM).item()}
+        reference_parameters = dict(reference.named_parameters())
+        for name, param in sharded.named_parameters():
+            whole = reference_parameters[name]
+            report[(rank, name)] = {
+                "local": param.to_local().shape[0] if isinstance(param, DTensor) else param.shape[0],
+                "experts_on_own_mesh": isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == (
+                    "expert_replicate", "expert_parallel"),
+                "same_init": torch.equal(param.full_tensor().detach(), whole.detach()),
+                "grad_error": ((param.grad.full_tensor() - whole.grad).abs().max() / whole.grad.abs().max()).item(),
+            }
+        dist.barrier()
+        report[(rank, "done")] = True
+    finally:
+        dist.destroy_process_group()
+
+
+def mesh_report(data_parallel: int, expert_parallel: int) -> dict:
+    report = mp.Manager().dict()
+    try:
+        mp.start_processes(check_on_mesh, args=(free_port(), data_parallel, expert_parallel, report),
+                           nprocs=data_parallel, start_method=FORKED)
+    except mp.ProcessExitedException as error:  # gloo's teardown abort after the barrier: see tests/test_parallelize.py
+        if error.signal_name != "SIGABRT" or not all(report.get((rank, "done")) for rank in range(data_parallel)):
+            raise
+    return {key: entry for key, entry in report.items() if key[1] != "done"}
+
+
+# Router choices are discrete: a layout could only route a token elsewhere where its rounding moved a k-th and a
+# (k+1)-th probability past each other. Both layouts compute each token's router input with the same weights and
+# the same per-token arithmetic, summed in another order at most: a few float32 ulps (1e-7 each) of probabilities
+# under 1, so a gap ten times 1e-6 cannot close.
+SAFE_ROUTER_GAP = 1e-5
+# Gradients: the same sums in another order (over micro-batches and ranks, and the experts' rows regrouped),
+# float32 rounding of some 1e-7 relative each, a few of them per element: 1e-5 as tests/test_parallelize.py allows
+GRADIENT_ERROR = 1e-5
+
+
+@pytest.mark.parametrize("data_parallel", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["ep2", "ep2-x2"])
+def test_experts_split_over_ranks_give_one_process_gradients(data_parallel: int) -> None:
+    """Two micro-batches per rank (the expert gradients reduced once, on the second) against one process's
+    whole batch: the same initial weights, the same global gradient norm (clipping bites) and the same clipped
+    gradients; each expert weight lives on the (expert_replicate, expert_parallel) mesh, half of its experts on
+    each rank, while FSDP2 shards the rest over every data-parallel rank."""
+    report = mesh_report(data_parallel, expert_parallel=2)
+    assert all(report[(rank, "gap")] > SAFE_ROUTER_GAP for rank in range(data_parallel))
+    norms = [report[(rank, "norm")] for rank in range(data_parallel)]
+    assert all(norm["sharded"] == pytest.approx(norm["reference"], rel=GRADIENT_ERROR) and norm["sharded"] > MAX_NORM
+               for norm in norms)
+    parameters = {key: entry for key, entry in report.items() if key[1] not in ("gap", "norm")}
+    assert all(entry["same_init"] for entry in parameters.values())
+    worst = max(parameters.items(), key=lambda item: item[1]["grad_error"])
+    assert worst[1]["grad_error"] < GRADIENT_ERROR, worst
+    experts = {key: entry for key, entry in parameters.items() if ".experts." in key[1]}
+    assert len(experts) == data_parallel * CONFIG.n_layer * 3
+    assert all(entry["experts_on_own_mesh"] and entry["local"] == CONFIG.n_expert // 2 for entry in experts.values())
+    dense = [entry for key, entry in parameters.items() if key not in experts]
+    assert not any(entry["experts_on_own_mesh"] for entry in dense)
