@@ -37,6 +37,7 @@ from core.tokens import IGNORE_INDEX
 from models.class_paths import class_path_of, current_class_path
 from models.interchange import HuggingFaceAdapter, HuggingFaceFolder
 from models.optimizer import OptimizerSettings
+from models.parallel.expert_parallel import reduce_expert_gradients
 from models.parallel.parallelize import (
     GradientNorms, TensorParallelPlan, build_network, check_tensor_parallel_size, choose_gradient_reduction,
     clip_grad_norm_, repeated_blocks,
@@ -276,6 +277,11 @@ class CohortModule(StepLoggedModule):
         """Lightning's backward of the training step's loss; under a pipeline the schedule has run it already."""
         if self.pipeline is None:
             super().backward(loss, *args, **kwargs)
+
+    def on_after_backward(self) -> None:
+        """Experts split over ranks reduce their gradients after their optimizer step's last backward
+        (models/parallel/expert_parallel.py)."""
+        reduce_expert_gradients(self.model)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         """Lightning zeroes the gradients between the step's first training_step and its backward, which would drop

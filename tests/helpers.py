@@ -542,6 +542,49 @@ class ShardingRecord(Callback):
         (self.out_dir / f"sharding_rank{trainer.global_rank}.json").write_text(json.dumps(summary))
 
 
+class RoutingRecord(Callback):
+    """Records what the MoE layers' routers chose, into ``out_dir``/routing.json (rank 0): each optimizer step's
+    token choices per expert of each layer, summed over the step's micro-batches and the ranks (a choice routed
+    elsewhere moves two counts), and the smallest gap seen in training, over every token of every layer, between a
+    token's k-th and (k+1)-th router probability (how far the rounding of another layout would have to move them)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+        self.smallest = math.inf
+        self.counts: dict[int, torch.Tensor] = {}  # global step -> (layers, experts)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from models.moe.family import moe_layers
+
+        self.layers = moe_layers(pl_module.model)
+        for layer in self.layers:
+            layer.register_forward_hook(self.record)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.step = trainer.global_step
+
+    @torch.no_grad()
+    def record(self, layer: torch.nn.Module, args: tuple[torch.Tensor], _: torch.Tensor) -> None:
+        if not layer.training:
+            return
+        weight = layer.router.weight
+        weight = weight.full_tensor() if isinstance(weight, DTensor) else weight
+        probabilities = (args[0].float() @ weight.float().T).softmax(dim=-1).sort(dim=-1, descending=True).values
+        gap = probabilities[..., layer.top_k - 1] - probabilities[..., layer.top_k]
+        self.smallest = min(self.smallest, gap.min().item())
+        counts = self.counts.setdefault(self.step, torch.zeros(len(self.layers), len(layer.tokens_per_expert),
+                                                               dtype=torch.long))
+        counts[self.layers.index(layer)] += layer.tokens_per_expert.cpu()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        counts = torch.stack([self.counts[step] for step in sorted(self.counts)])
+        counts = trainer.strategy.reduce(counts, reduce_op="sum")
+        smallest = trainer.strategy.reduce(torch.tensor(self.smallest), reduce_op="min")
+        if trainer.global_rank == 0:
+            (self.out_dir / "routing.json").write_text(json.dumps({"counts": counts.tolist(),
+                                                                   "smallest_gap": smallest.item()}))
+
+
 class LagBehindWorker(Callback):
     """Parameter-server workers that count their pushes the server answered with weights (applied, or dropped as
     too stale), each into ``out_dir``/answered_rank{R}.json; worker ``rank`` also lags worker ``other`` by an exact

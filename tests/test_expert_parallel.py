@@ -6,7 +6,9 @@ experts; and what expert parallelism cannot do is refused in one line."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +19,13 @@ from torch.distributed.tensor import DTensor
 
 from models.moe.family import MoELanguageModel, moe_layers
 from models.moe.network import MOE_CONFIGS, MoE
+from models.parallel.expert_parallel import reduce_expert_gradients
 from models.parallel.parallelize import build_network, choose_gradient_reduction, clip_grad_norm_
-from tests.helpers import free_port
+from tests.helpers import (
+    CONFIG_DIR, QUIET, assert_comparable_runs_agree, assert_one_line_error_in_process,
+    assert_sharded_resume_after_sigkill_is_bitwise_exact, batch_sizes, fit, fit_in_process, last_checkpoint,
+    last_checkpoint_contents,
+)
 
 CONFIG = MOE_CONFIGS["debug"]
 FAMILY = MoELanguageModel(model_name="debug")
@@ -26,6 +33,11 @@ SEED = 5
 SAMPLES, TOKENS = 8, 32
 MAX_NORM = 0.1
 FORKED = "forkserver"  # as tests/test_parallelize.py: ranks forked from tests/processes.py's server
+MOE = ["--model.class_path", "models.moe.family.MoELanguageModel"]
+EXPERT_PARALLEL = ["-c", str(CONFIG_DIR / "trainer/expert_parallel_cpu.yaml")]  # EP 2 x FSDP2 on 2 processes
+EXPERT_PARALLEL_4 = [*EXPERT_PARALLEL, "--trainer.devices", "4", "--trainer.strategy.init_args.data_parallel_size", "4",
+                     *batch_sizes(8, 2)]  # 2 replicas of each half of the experts, FSDP2 over 4 ranks
+RECORD_ROUTING = ["--trainer.callbacks+=tests.helpers.RoutingRecord"]
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +82,7 @@ def check_on_mesh(rank: int, port: int, data_parallel: int, expert_parallel: int
             choose_gradient_reduction(sharded, plan, micro_batch)
             loss = FAMILY.batch_loss(sharded, micro_batches[micro_batch * data_parallel + rank]) / 2
             loss.backward()
+            reduce_expert_gradients(sharded)
         report[(rank, "norm")] = {"sharded": clip_grad_norm_(sharded, sharded.parameters(), MAX_NORM).item(),
                                   "reference": torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM).item()}
         reference_parameters = dict(reference.named_parameters())
@@ -129,3 +142,77 @@ def test_experts_split_over_ranks_give_one_process_gradients(data_parallel: int)
     assert all(entry["experts_on_own_mesh"] and entry["local"] == CONFIG.n_expert // 2 for entry in experts.values())
     dense = [entry for key, entry in parameters.items() if key not in experts]
     assert not any(entry["experts_on_own_mesh"] for entry in dense)
+
+
+# ----- through the CLI -----
+
+@pytest.fixture(scope="module")
+def moe_run_args(comparable_run_args: list[str]) -> list[str]:
+    """COMPARABLE_RUN (4 clipped steps, validated after each) with the MoE 'debug' model."""
+    return [*MOE, *comparable_run_args]
+
+
+def routed_fit(run_dir: Path, args: list[str], *extra: str, in_process: bool = False) -> Path:
+    """A run that records its routing (tests.helpers.RoutingRecord)."""
+    runner = fit_in_process if in_process else fit
+    return runner(run_dir, args, *extra, *RECORD_ROUTING, f"--trainer.callbacks.out_dir={run_dir}")
+
+
+def routing(run_dir: Path) -> dict:
+    return json.loads((run_dir / "routing.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def one_process_moe_run(tmp_path_factory: pytest.TempPathFactory, moe_run_args: list[str]) -> Path:
+    return routed_fit(tmp_path_factory.mktemp("one_process"), moe_run_args, in_process=True)
+
+
+@pytest.fixture(scope="module")
+def expert_parallel_run(tmp_path_factory: pytest.TempPathFactory, moe_run_args: list[str]) -> Path:
+    return routed_fit(tmp_path_factory.mktemp("expert_parallel"), moe_run_args, *EXPERT_PARALLEL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ep2", "ep2-x2"])
+def test_expert_parallel_runs_train_as_one_process_does(tmp_path: Path, layout: str, moe_run_args: list[str],
+                                                        one_process_moe_run: Path, expert_parallel_run: Path) -> None:
+    """4 clipped steps of 8 samples: the same gradient norm at every step, validation loss after it and final
+    weights as one process (micro-batches of 4: one per rank under EP 2, two after each other in one process; of 2
+    on the 4 ranks of EP 2 x 2 replicas). Routing is discrete, so the runs are compared where it could differ: the
+    routers of the 8 x 64 tokens x 2 layers of each step start nearly even (probabilities near 1/4; smallest gap
+    between a k-th and a (k+1)-th about 1e-6, recorded), a few float32 ulps (3e-8 each) above what the layouts'
+    rounding moves them; so the routing itself is compared, and every step's token choices per expert per layer,
+    over all ranks, are one process's exactly (a choice routed elsewhere moves two counts)."""
+    run = expert_parallel_run if layout == "ep2" else routed_fit(tmp_path, moe_run_args, *EXPERT_PARALLEL_4)
+    assert routing(run)["counts"] == routing(one_process_moe_run)["counts"]
+    assert routing(run)["smallest_gap"] > 0  # no tie, which the layouts could break either way
+    assert_comparable_runs_agree(one_process_moe_run, run)
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_resume_after_sigkill_is_bitwise_exact(tmp_path: Path, moe_run_args: list[str]) -> None:
+    run = [*moe_run_args, *EXPERT_PARALLEL, "--trainer.max_steps", "6", "--checkpoint.every_n_train_steps", "3",
+           "--data.micro_batch_size", "2"]  # 2 micro-batches per step per rank: the kill lands between them
+    assert_sharded_resume_after_sigkill_is_bitwise_exact(tmp_path, run)
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_checkpoint_holds_whole_experts_and_resumes_on_one_process(
+        tmp_path: Path, moe_run_args: list[str], one_process_moe_run: Path, expert_parallel_run: Path) -> None:
+    """The sharded checkpoint consolidates into whole (n_expert, ...) expert weights and Adam moments, which a
+    one-file checkpoint (save_distributed_checkpoint false) holds as they are; resumed in one process it trains the
+    next 2 steps as the one-process run's own checkpoint does."""
+    consolidated = last_checkpoint_contents(expert_parallel_run)
+    one_file = fit(tmp_path / "one_file", moe_run_args, *EXPERT_PARALLEL,
+                   "--trainer.strategy.init_args.save_distributed_checkpoint", "false")
+    single = torch.load(last_checkpoint(one_file), weights_only=True, map_location="cpu")
+    for contents in (consolidated, single):
+        experts = {name: weight for name, weight in contents["state_dict"].items() if ".experts." in name}
+        assert len(experts) == 3 * CONFIG.n_layer
+        assert all(weight.shape[0] == CONFIG.n_expert for weight in experts.values())
+        moments = contents["optimizer_states"][0]["state"]
+        assert all(moments[name]["exp_avg"].shape == weight.shape for name, weight in experts.items())
+    resumed = {source: fit_in_process(tmp_path / f"from_{source.name}", moe_run_args, "--trainer.max_steps", "6",
+                                      "--ckpt_path", str(last_checkpoint(source)))
+               for source in (one_process_moe_run, expert_parallel_run)}
+    assert_comparable_runs_agree(*resumed.values())

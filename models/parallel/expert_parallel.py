@@ -19,8 +19,9 @@ Gradients: each rank's loss is the mean over its own samples, and the all-to-all
 rank's contribution to the experts that served it, so an expert's gradient on its rank is the sum, over the ranks
 of its expert-parallel group, of their losses' gradients. Summed over the replicas and divided by the
 data-parallel size it is the mean over every rank's loss, what FSDP2 makes of every other gradient and what one
-process computes over the global batch. That happens once per optimizer step, on its last micro-batch's backward
-(``ExpertGradients``, told by ``choose_gradient_reduction``): the micro-batches before add up locally.
+process computes over the global batch. That happens once per optimizer step, after its last micro-batch's
+backward (``reduce_expert_gradients``, which ``choose_gradient_reduction`` tells which one that is): the
+micro-batches before add up locally.
 """
 
 from __future__ import annotations
@@ -45,22 +46,12 @@ EXPERT_PLACEMENTS = (Replicate(), Shard(0))  # over (expert_replicate, expert_pa
 
 @dataclass
 class ExpertGradients:
-    """Turns this rank's expert gradients into the global batch's mean, on the optimizer step's last backward."""
+    """How this rank's expert gradients become the global batch's mean, and when."""
 
     replicas: dist.ProcessGroup | None  # the ranks holding the same experts; None where there is one
     scale: float  # 1 / data-parallel size
     last_micro_batch: bool = True  # set before each backward by choose_gradient_reduction
     exchange_seconds: list[float] = field(default_factory=list)  # the all-to-alls' wall time since last read
-
-    @torch.no_grad()
-    def reduce(self, param: torch.Tensor) -> None:
-        """A post-accumulate-grad hook: on the step's last backward, the sum over the replicas, scaled."""
-        if not self.last_micro_batch:
-            return
-        local = param.grad.to_local()
-        if self.replicas is not None:
-            dist.all_reduce(local, group=self.replicas)
-        local.mul_(self.scale)
 
 
 # each expert-parallel network's gradient switch, for choose_gradient_reduction and the monitor
@@ -91,9 +82,9 @@ def expert_weights(network: nn.Module) -> list[nn.Parameter]:
 def apply_expert_parallel(network: nn.Module, mesh: DeviceMesh,
                           clock: Callable[[], float] = time.perf_counter) -> ExpertGradients:
     """Shard every ``Experts`` module's weights over ``mesh`` (``expert_mesh``) and make its forward exchange the
-    tokens; returns the gradients' reduction, whose switch ``choose_gradient_reduction`` sets before each backward,
-    to be hooked once the weights are materialised (``hook_expert_gradients``). ``clock`` times the exchanges (for
-    the monitor's all-to-all time)."""
+    tokens; returns the gradients' reduction, whose switch ``choose_gradient_reduction`` sets before each backward
+    and which ``reduce_expert_gradients`` carries out. ``clock`` times the exchanges (for the monitor's all-to-all
+    time)."""
     replicas = mesh["expert_replicate"]
     data_parallel_size = replicas.size() * mesh["expert_parallel"].size()
     gradients = ExpertGradients(replicas.get_group() if replicas.size() > 1 else None, 1.0 / data_parallel_size)
@@ -110,12 +101,22 @@ def apply_expert_parallel(network: nn.Module, mesh: DeviceMesh,
     return gradients
 
 
-def hook_expert_gradients(network: nn.Module) -> None:
-    """Reduce the expert gradients of a network ``apply_expert_parallel`` split as each is accumulated (after
-    materialising: moving a parameter to its device drops its hooks)."""
-    gradients = EXPERT_GRADIENTS[network]
+@torch.no_grad()
+def reduce_expert_gradients(network: nn.Module) -> None:
+    """After a backward: on its optimizer step's last, this rank's expert gradients summed over the replicas and
+    scaled to the mean over the data-parallel ranks; otherwise, and for a network without split experts, nothing.
+    (An explicit call after the backward rather than a parameter hook: moving the module, as Lightning does after
+    configure_model, drops a parameter's hooks.)"""
+    gradients = expert_gradients_of(network)
+    if gradients is None or not gradients.last_micro_batch:
+        return
     for param in expert_weights(network):
-        param.register_post_accumulate_grad_hook(gradients.reduce)
+        if param.grad is None:
+            continue
+        local = param.grad.to_local()
+        if gradients.replicas is not None:
+            dist.all_reduce(local, group=gradients.replicas)
+        local.mul_(gradients.scale)
 
 
 def expert_parallel_forward(experts: Experts, group: dist.ProcessGroup, gradients: ExpertGradients,

@@ -29,7 +29,7 @@ from core.errors import UserError
 from core.run_plan import RunPlan
 from core.seeding import derive_seed
 from models.parallel.expert_parallel import (
-    apply_expert_parallel, expert_gradients_of, expert_mesh, expert_weights, hook_expert_gradients,
+    apply_expert_parallel, expert_gradients_of, expert_mesh, expert_weights,
 )
 
 # a family's tensor-parallel plan: module-name patterns ("blocks.*.attn.qkv") -> how that Linear is split.
@@ -88,8 +88,6 @@ def build_network(
                    None if batch_norms else autocast_dtype,
                    reshard_after_forward=keep_stage is None, ignored_params=experts_apart)
     materialize(network, device)
-    if expert_parallel_size > 1:
-        hook_expert_gradients(network)
     if pretrained is not None:
         load_weights(network, pretrained)
     else:
