@@ -144,6 +144,46 @@ def test_experts_split_over_ranks_give_one_process_gradients(data_parallel: int)
     assert not any(entry["experts_on_own_mesh"] for entry in dense)
 
 
+# ----- what expert parallelism cannot do, refused in one line before anything starts -----
+
+def strategy_sizes(devices: int, data_parallel: int, expert_parallel: int, *more: str) -> list[str]:
+    return [*EXPERT_PARALLEL, "--trainer.devices", str(devices), "--trainer.strategy.init_args.data_parallel_size",
+            str(data_parallel), "--trainer.strategy.init_args.expert_parallel_size", str(expert_parallel), *more]
+
+
+GPT: list[str] = []  # the default family
+REFUSALS = {  # case -> (family, layout, the refusal)
+    "no experts": (GPT, strategy_sizes(2, 2, 2), "GPTLanguageModel has no experts to split over expert_parallel_size=2"),
+    "not dividing the experts": (MOE, strategy_sizes(3, 3, 3, *batch_sizes(6, 2)),
+                                 "expert_parallel_size=3 does not divide the 4 experts of model 'debug'"),
+    "not dividing data_parallel_size": (MOE, strategy_sizes(4, 4, 3, *batch_sizes(8, 2)),
+                                        "expert_parallel_size=3 must be at least 1 and divide data_parallel_size=4"),
+    "with tensor parallelism": (
+        MOE, strategy_sizes(4, 2, 2, "--trainer.strategy.init_args.tensor_parallel_size", "2"),
+        "expert_parallel_size=2 with tensor_parallel_size=2: experts are split over data-parallel ranks only"),
+    "with hybrid sharding's replicas": (
+        MOE, strategy_sizes(4, 4, 2, "--trainer.strategy.init_args.data_parallel_replicate_size", "2",
+                            *batch_sizes(8, 2)),
+        "expert_parallel_size=2 with data_parallel_replicate_size=2"),
+    # DDP, FSDP (1), the pipeline, the parameter server and Lightning's own ModelParallelStrategy have no such option
+    "under DDP": (MOE, ["-c", str(CONFIG_DIR / "trainer/ddp_cpu.yaml"),
+                        "--trainer.strategy.init_args.expert_parallel_size", "2"],
+                  "unknown option trainer.strategy.expert_parallel_size (trainer.strategy is "
+                  "lightning.pytorch.strategies.DDPStrategy)"),
+    "under pipeline stages": (MOE, ["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml"),
+                                    "--trainer.strategy.init_args.expert_parallel_size", "2"],
+                              "unknown option trainer.strategy.expert_parallel_size"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_what_expert_parallelism_cannot_do_is_refused_in_one_line(case: str, tmp_path: Path, debug_run_args: list[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    family, layout, expected = REFUSALS[case]
+    assert_one_line_error_in_process(["fit", *family, *debug_run_args, *layout, "--print_config"], tmp_path, expected,
+                                     monkeypatch)
+
+
 # ----- through the CLI -----
 
 @pytest.fixture(scope="module")
