@@ -684,6 +684,33 @@ class ScriptedStepTimes(Callback):
             self.now += lag * accumulation
 
 
+class ScriptedExchangeTimes(ScriptedStepTimes):
+    """ScriptedStepTimes under expert parallelism: besides its compute, each token exchange (all-to-all) of rank R's
+    training forwards takes ``exchange_seconds[R]`` on the monitor's clock. The monitor hands the exchanges its
+    time points (models/parallel/expert_parallel.py ExpertParallel.mark), start and end in turn; this wraps them, so
+    that time moves at each end."""
+
+    def __init__(self, compute_seconds: list[float], exchange_seconds: list[float]) -> None:
+        super().__init__(compute_seconds)
+        self.exchange_seconds = exchange_seconds
+        self.marks = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        from models.parallel.expert_parallel import expert_parallel_of
+
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self.rank = trainer.global_rank
+        state = expert_parallel_of(pl_module.model)
+        if state.mark != self.scripted_mark:  # the monitor's own, set at train start and after each validation
+            self.monitor_mark, state.mark = state.mark, self.scripted_mark
+
+    def scripted_mark(self) -> Any:
+        self.marks += 1
+        if self.marks % 2 == 0:  # an exchange's end
+            self.now += self.exchange_seconds[self.rank]
+        return self.monitor_mark()
+
+
 class SignalAllThenHang(Callback):
     """One rank sends a signal to every rank (its process group), as Kubernetes does, then hangs inside its step, as
     a rank stuck on a broken device would: the others wait for it in the step's gradient all-reduce."""

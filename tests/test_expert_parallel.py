@@ -22,9 +22,9 @@ from models.moe.network import MOE_CONFIGS, MoE
 from models.parallel.expert_parallel import reduce_expert_gradients
 from models.parallel.parallelize import build_network, choose_gradient_reduction, clip_grad_norm_
 from tests.helpers import (
-    CONFIG_DIR, QUIET, assert_comparable_runs_agree, assert_one_line_error_in_process,
-    assert_sharded_resume_after_sigkill_is_bitwise_exact, batch_sizes, fit, fit_in_process, last_checkpoint,
-    last_checkpoint_contents,
+    CONFIG_DIR, assert_comparable_runs_agree, assert_one_line_error_in_process,
+    assert_sharded_resume_after_sigkill_is_bitwise_exact, batch_sizes, fit, fit_in_process, free_port,
+    last_checkpoint, last_checkpoint_contents, scalars,
 )
 
 CONFIG = MOE_CONFIGS["debug"]
@@ -256,3 +256,18 @@ def test_an_expert_parallel_checkpoint_holds_whole_experts_and_resumes_on_one_pr
                                       "--ckpt_path", str(last_checkpoint(source)))
                for source in (one_process_moe_run, expert_parallel_run)}
     assert_comparable_runs_agree(*resumed.values())
+
+
+@pytest.mark.slow
+def test_the_monitor_takes_each_ranks_all_to_all_time_out_of_compute(tmp_path: Path, moe_run_args: list[str]) -> None:
+    """4 steps of 2 micro-batches per rank in windows of 2, each micro-batch computing 10 s on the monitor's clock
+    and each of its 4 token exchanges (dispatch and combine in each of 2 layers) taking 1 s on rank 0 and 2 s on
+    rank 1 (tests.helpers.ScriptedExchangeTimes): per step 8 or 16 s of all-to-all, logged per rank and taken out
+    of compute, which stays 20 s; validation's exchanges (after steps 2 and 4) count for nothing."""
+    fit(tmp_path, moe_run_args, *EXPERT_PARALLEL, *batch_sizes(8, 2), "--val_every_n_steps", "2",
+        "--monitor.every_n_steps", "2", "--trainer.callbacks+=tests.helpers.ScriptedExchangeTimes",
+        "--trainer.callbacks.compute_seconds=[10.0, 10.0]", "--trainer.callbacks.exchange_seconds=[1.0, 2.0]")
+    for rank, exchange in ((0, 1.0), (1, 2.0)):
+        assert scalars(tmp_path, f"monitor/all_to_all_s/rank{rank}") == pytest.approx([8 * exchange] * 2)
+        assert scalars(tmp_path, f"monitor/compute_s/rank{rank}") == pytest.approx([20.0] * 2)
+        assert scalars(tmp_path, f"monitor/step_s/rank{rank}") == pytest.approx([20.0 + 8 * exchange] * 2)

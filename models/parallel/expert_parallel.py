@@ -26,7 +26,6 @@ micro-batches before add up locally.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -45,22 +44,25 @@ EXPERT_PLACEMENTS = (Replicate(), Shard(0))  # over (expert_replicate, expert_pa
 
 
 @dataclass
-class ExpertGradients:
-    """How this rank's expert gradients become the global batch's mean, and when."""
+class ExpertParallel:
+    """A network's split experts: how this rank's expert gradients become the global batch's mean and when, and
+    the time points around the token exchanges for whoever times them."""
 
     replicas: dist.ProcessGroup | None  # the ranks holding the same experts; None where there is one
     scale: float  # 1 / data-parallel size
     last_micro_batch: bool = True  # set before each backward by choose_gradient_reduction
-    exchange_seconds: list[float] = field(default_factory=list)  # the all-to-alls' wall time since last read
+    # makes a time point (the monitor's Marker: a CUDA event on GPUs); None: the exchanges are not timed
+    mark: Callable[[], object] | None = None
+    exchanges: list[tuple[object, object]] = field(default_factory=list)  # (start, end) of each forward exchange
 
 
-# each expert-parallel network's gradient switch, for choose_gradient_reduction and the monitor
-EXPERT_GRADIENTS: WeakKeyDictionary[nn.Module, ExpertGradients] = WeakKeyDictionary()
+# each expert-parallel network's state, for choose_gradient_reduction and the monitor
+EXPERT_PARALLEL: WeakKeyDictionary[nn.Module, ExpertParallel] = WeakKeyDictionary()
 
 
-def expert_gradients_of(network: nn.Module) -> ExpertGradients | None:
-    """The network's expert-gradient switch; None where its experts are not spread over ranks."""
-    return EXPERT_GRADIENTS.get(network)
+def expert_parallel_of(network: nn.Module) -> ExpertParallel | None:
+    """The network's expert-parallel state; None where its experts are not split over ranks."""
+    return EXPERT_PARALLEL.get(network)
 
 
 def expert_mesh(device_mesh: DeviceMesh, expert_parallel_size: int) -> DeviceMesh:
@@ -79,15 +81,13 @@ def expert_weights(network: nn.Module) -> list[nn.Parameter]:
             for param in module.parameters(recurse=False)]
 
 
-def apply_expert_parallel(network: nn.Module, mesh: DeviceMesh,
-                          clock: Callable[[], float] = time.perf_counter) -> ExpertGradients:
+def apply_expert_parallel(network: nn.Module, mesh: DeviceMesh) -> ExpertParallel:
     """Shard every ``Experts`` module's weights over ``mesh`` (``expert_mesh``) and make its forward exchange the
-    tokens; returns the gradients' reduction, whose switch ``choose_gradient_reduction`` sets before each backward
-    and which ``reduce_expert_gradients`` carries out. ``clock`` times the exchanges (for the monitor's all-to-all
-    time)."""
+    tokens; returns the state, whose gradient switch ``choose_gradient_reduction`` sets before each backward and
+    which ``reduce_expert_gradients`` acts on."""
     replicas = mesh["expert_replicate"]
     data_parallel_size = replicas.size() * mesh["expert_parallel"].size()
-    gradients = ExpertGradients(replicas.get_group() if replicas.size() > 1 else None, 1.0 / data_parallel_size)
+    state = ExpertParallel(replicas.get_group() if replicas.size() > 1 else None, 1.0 / data_parallel_size)
     group = mesh["expert_parallel"].get_group()
     for module in network.modules():
         if not isinstance(module, Experts):
@@ -96,9 +96,9 @@ def apply_expert_parallel(network: nn.Module, mesh: DeviceMesh,
             # src_data_rank=None: the weights are initialised after this (every rank keeps its slice of the whole)
             sharded = nn.Parameter(distribute_tensor(param, mesh, EXPERT_PLACEMENTS, src_data_rank=None))
             module.register_parameter(name, sharded)
-        module.forward = partial(expert_parallel_forward, module, group, gradients, clock)  # type: ignore[method-assign]
-    EXPERT_GRADIENTS[network] = gradients
-    return gradients
+        module.forward = partial(expert_parallel_forward, module, group, state)  # type: ignore[method-assign]
+    EXPERT_PARALLEL[network] = state
+    return state
 
 
 @torch.no_grad()
@@ -107,26 +107,25 @@ def reduce_expert_gradients(network: nn.Module) -> None:
     scaled to the mean over the data-parallel ranks; otherwise, and for a network without split experts, nothing.
     (An explicit call after the backward rather than a parameter hook: moving the module, as Lightning does after
     configure_model, drops a parameter's hooks.)"""
-    gradients = expert_gradients_of(network)
-    if gradients is None or not gradients.last_micro_batch:
+    state = expert_parallel_of(network)
+    if state is None or not state.last_micro_batch:
         return
     for param in expert_weights(network):
         if param.grad is None:
             continue
         local = param.grad.to_local()
-        if gradients.replicas is not None:
-            dist.all_reduce(local, group=gradients.replicas)
-        local.mul_(gradients.scale)
+        if state.replicas is not None:
+            dist.all_reduce(local, group=state.replicas)
+        local.mul_(state.scale)
 
 
-def expert_parallel_forward(experts: Experts, group: dist.ProcessGroup, gradients: ExpertGradients,
-                            clock: Callable[[], float], tokens: torch.Tensor,
+def expert_parallel_forward(experts: Experts, group: dist.ProcessGroup, state: ExpertParallel, tokens: torch.Tensor,
                             tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """``Experts.forward`` with the experts spread over ``group``: the same rows in, the same outputs out."""
     ranks = dist.get_world_size(group)
     weights = [param.to_local() for param in (experts.gate_proj, experts.up_proj, experts.down_proj)]
     local_experts = weights[0].shape[0]
-    start = clock()
+    dispatch_start = state.mark() if state.mark else None
     # source s's counts for each of this rank's experts, row s: (ranks, local experts)
     counts = torch.empty_like(tokens_per_expert)
     dist.all_to_all_single(counts, tokens_per_expert, group=group)
@@ -135,13 +134,16 @@ def expert_parallel_forward(experts: Experts, group: dist.ProcessGroup, gradient
     received = counts.sum(dim=1).tolist()
     kept = sum(sent)
     arrived = all_to_all_single_autograd(tokens[:kept], received, sent, group)
-    gradients.exchange_seconds.append(clock() - start)
     # rows arrive by source rank, each source's grouped by expert: regroup them by expert (stable: sources in order)
     expert_of_row = torch.arange(local_experts, device=tokens.device).repeat(ranks).repeat_interleave(counts.flatten())
     order = expert_of_row.argsort(stable=True)
-    outputs = expert_outputs(*weights, arrived[order], counts.sum(dim=0))
-    start = clock()
+    grouped = arrived[order]  # the first use waits for the exchange
+    if state.mark:
+        state.exchanges.append((dispatch_start, state.mark()))
+    outputs = expert_outputs(*weights, grouped, counts.sum(dim=0))
+    combine_start = state.mark() if state.mark else None
     returned = all_to_all_single_autograd(outputs[order.argsort()], sent, received, group)
     returned = torch.cat([returned, tokens.new_zeros(tokens.shape[0] - kept, tokens.shape[1])])
-    gradients.exchange_seconds.append(clock() - start)
+    if state.mark:
+        state.exchanges.append((combine_start, state.mark()))
     return returned

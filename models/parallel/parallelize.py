@@ -29,7 +29,7 @@ from core.errors import UserError
 from core.run_plan import RunPlan
 from core.seeding import derive_seed
 from models.parallel.expert_parallel import (
-    apply_expert_parallel, expert_gradients_of, expert_mesh, expert_weights,
+    apply_expert_parallel, expert_mesh, expert_parallel_of, expert_weights,
 )
 
 # a family's tensor-parallel plan: module-name patterns ("blocks.*.attn.qkv") -> how that Linear is split.
@@ -206,9 +206,9 @@ def choose_gradient_reduction(network: nn.Module, plan: RunPlan, batch_index: in
     ``plan.reduce_gradients_every_micro_batch`` the reduce-scatter only (each rank adds up its shard: less memory).
     Under hybrid sharding the shards are all-reduced across the replicas on the last micro-batch only, either way;
     experts spread over ranks (models/parallel/expert_parallel.py) are reduced on the last micro-batch only."""
-    expert_gradients = expert_gradients_of(network)
-    if expert_gradients is not None:
-        expert_gradients.last_micro_batch = plan.ends_optimizer_step(batch_index)
+    expert_parallel = expert_parallel_of(network)
+    if expert_parallel is not None:
+        expert_parallel.last_micro_batch = plan.ends_optimizer_step(batch_index)
     if not isinstance(network, FSDPModule):
         return
     last = plan.ends_optimizer_step(batch_index)
