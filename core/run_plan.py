@@ -11,7 +11,8 @@ Ranks sit on the strategy's device mesh, row-major over (pipeline_parallel, data
 order of torchtitan and of ModelParallelStrategy's (data_parallel, tensor_parallel) mesh when there is no
 pipeline. Ranks of one tensor-parallel group, and the stages of one pipeline, read the same samples; under DDP
 every rank is its own data-parallel rank. Under hybrid sharding the data-parallel dimension is itself row-major over
-(replica, shard): data-parallel rank = replica x shards + shard, each reading its own samples.
+(replica, shard): data-parallel rank = replica x shards + shard, each reading its own samples. Expert parallelism
+splits the experts over consecutive data-parallel ranks the same way: (expert replica, expert-parallel rank).
 """
 
 from __future__ import annotations
@@ -264,10 +265,14 @@ class RunPlan:
                       f"{self.global_batch_size} / q over its {self.data_parallel_size} ranks)")
         hybrid = (f" ({self.data_parallel_replicate_size} replicas x {self.data_parallel_shard_size} shards)"
                   if self.data_parallel_replicate_size > 1 else "")
+        expert_replicas = self.data_parallel_size // self.expert_parallel_size
+        experts = (f"; experts split over {self.expert_parallel_size} ranks"
+                   + (f" x {expert_replicas} replicas" if expert_replicas > 1 else "")
+                   if self.expert_parallel_size > 1 else "")
         return (f"global batch {self.global_batch_size} = micro batch {self.micro_batch_size} x "
                 f"{self.data_parallel_size} data-parallel ranks{hybrid} x {self.accumulation} accumulation "
                 f"steps{groups}; "
-                f"{self.tokens_per_step:,} {self.unit} per optimizer step{pipeline}")
+                f"{self.tokens_per_step:,} {self.unit} per optimizer step{pipeline}{experts}")
 
 
 def run_plan_of(holder: object) -> RunPlan:
