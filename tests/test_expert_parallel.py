@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from models.moe.family import MoELanguageModel, moe_layers
-from models.moe.network import MOE_CONFIGS, MoE
+from models.moe.network import MOE_CONFIGS, MoE, MoEConfig
 from models.parallel.expert_parallel import reduce_expert_gradients
 from models.parallel.parallelize import build_network, choose_gradient_reduction, clip_grad_norm_
 from tests.helpers import (
@@ -28,6 +29,8 @@ from tests.helpers import (
 )
 
 CONFIG = MOE_CONFIGS["debug"]
+# with a capacity, so that some choices are dropped (their rows stay on their rank, with zero outputs)
+CAPPED = replace(CONFIG, capacity_factor=1.0)
 FAMILY = MoELanguageModel(model_name="debug")
 SEED = 5
 SAMPLES, TOKENS = 8, 32
@@ -62,17 +65,19 @@ def router_gap(network: MoE, inputs: torch.Tensor) -> float:
     return min(gaps)
 
 
-def check_on_mesh(rank: int, port: int, data_parallel: int, expert_parallel: int, report: dict) -> None:
+def check_on_mesh(rank: int, port: int, data_parallel: int, expert_parallel: int, config: MoEConfig,
+                  report: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=data_parallel)
     try:
         mesh = init_device_mesh("cpu", (data_parallel, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
-        make = lambda: MoE(CONFIG)  # noqa: E731
+        make = lambda: MoE(config)  # noqa: E731
         sharded = build_network(make, torch.device("cpu"), SEED, mesh, expert_parallel_size=expert_parallel)
         reference = build_network(make, torch.device("cpu"), SEED)
         inputs, targets = batch()
         FAMILY.batch_loss(reference, (inputs, targets)).backward()
         report[(rank, "gap")] = router_gap(reference, inputs)
+        report[(rank, "dropped")] = sum(layer.dropped_tokens.item() for layer in moe_layers(reference))
         # two micro-batches per step (accumulation), each rank's own share of each: a mean over a quarter of this
         # rank's samples, halved as Lightning's accumulation would
         micro_batches = list(zip(inputs.chunk(2 * data_parallel), targets.chunk(2 * data_parallel)))
@@ -101,10 +106,10 @@ def check_on_mesh(rank: int, port: int, data_parallel: int, expert_parallel: int
         dist.destroy_process_group()
 
 
-def mesh_report(data_parallel: int, expert_parallel: int) -> dict:
+def mesh_report(data_parallel: int, expert_parallel: int, config: MoEConfig) -> dict:
     report = mp.Manager().dict()
     try:
-        mp.start_processes(check_on_mesh, args=(free_port(), data_parallel, expert_parallel, report),
+        mp.start_processes(check_on_mesh, args=(free_port(), data_parallel, expert_parallel, config, report),
                            nprocs=data_parallel, start_method=FORKED)
     except mp.ProcessExitedException as error:  # gloo's teardown abort after the barrier: see tests/test_parallelize.py
         if error.signal_name != "SIGABRT" or not all(report.get((rank, "done")) for rank in range(data_parallel)):
@@ -122,18 +127,21 @@ SAFE_ROUTER_GAP = 1e-5
 GRADIENT_ERROR = 1e-5
 
 
-@pytest.mark.parametrize("data_parallel", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["ep2", "ep2-x2"])
-def test_experts_split_over_ranks_give_one_process_gradients(data_parallel: int) -> None:
+@pytest.mark.parametrize("data_parallel, config", [(2, CAPPED), pytest.param(4, CONFIG, marks=pytest.mark.slow)],
+                         ids=["ep2-capacity", "ep2-x2"])
+def test_experts_split_over_ranks_give_one_process_gradients(data_parallel: int, config: MoEConfig) -> None:
     """Two micro-batches per rank (the expert gradients reduced once, on the second) against one process's
     whole batch: the same initial weights, the same global gradient norm (clipping bites) and the same clipped
     gradients; each expert weight lives on the (expert_replicate, expert_parallel) mesh, half of its experts on
-    each rank, while FSDP2 shards the rest over every data-parallel rank."""
-    report = mesh_report(data_parallel, expert_parallel=2)
+    each rank, while FSDP2 shards the rest over every data-parallel rank. With a capacity some choices are dropped
+    (capacity and its drops are per sequence, so one process drops the same ones)."""
+    report = mesh_report(data_parallel, 2, config)
     assert all(report[(rank, "gap")] > SAFE_ROUTER_GAP for rank in range(data_parallel))
+    assert (report[(0, "dropped")] > 0) == (config.capacity_factor is not None)
     norms = [report[(rank, "norm")] for rank in range(data_parallel)]
     assert all(norm["sharded"] == pytest.approx(norm["reference"], rel=GRADIENT_ERROR) and norm["sharded"] > MAX_NORM
                for norm in norms)
-    parameters = {key: entry for key, entry in report.items() if key[1] not in ("gap", "norm")}
+    parameters = {key: entry for key, entry in report.items() if key[1] not in ("gap", "dropped", "norm")}
     assert all(entry["same_init"] for entry in parameters.values())
     worst = max(parameters.items(), key=lambda item: item[1]["grad_error"])
     assert worst[1]["grad_error"] < GRADIENT_ERROR, worst
