@@ -132,8 +132,9 @@ class SwiGLU(nn.Module):
 
 
 class Experts(nn.Module):
-    """``n_expert`` SwiGLU MLPs with their weights stacked on a first dimension of experts (a rank's own experts
-    under expert parallelism: the shapes are read from the tensors)."""
+    """``n_expert`` SwiGLU MLPs with their weights stacked on a first dimension of experts. Their arithmetic is
+    ``expert_outputs``, which expert parallelism (models/parallel/expert_parallel.py) runs on a rank's own slice of
+    the weights (the shapes are read from the tensors)."""
 
     def __init__(self, n_expert: int, n_embd: int, width: int) -> None:
         super().__init__()

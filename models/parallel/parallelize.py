@@ -2,7 +2,8 @@
 
 ``build_network`` creates a family's network on the meta device (no memory, whatever its size), optionally keeps
 only one pipeline stage of it, then applies tensor parallelism (from the family's plan), activation checkpointing
-and compile (per repeated block), and FSDP2 (each repeated block one unit, the root the rest), materialises this
+and compile (per repeated block), expert parallelism (a mixture of experts' experts split by expert:
+models/parallel/expert_parallel.py) and FSDP2 (each repeated block one unit, the root the rest), materialises this
 rank's shards on its device and initialises them. The repeated blocks are found by ``repeated_blocks`` unless
 the family names them. Initial weights depend on the seed only, never on the layout: a network with
 ``initial_std(name)`` (GPT, BERT) draws each parameter whole from a generator seeded by (seed, parameter name),
@@ -61,10 +62,9 @@ def build_network(
     the weights in, except in a network with batch norms, whose float32 running statistics cannot meet
     half-precision weights (autocast then runs its convolutions in half precision, as under DDP). ``keep_stage``
     removes what other pipeline stages hold, so that only this rank's stage is built. ``expert_parallel_size`` > 1
-    spreads the MoE layers' experts over that many data-parallel ranks (models/parallel/expert_parallel.py), which
-    FSDP2 then leaves out. ``pretrained`` reads each
-    parameter's full tensor by name (the family's Hugging Face adapter, models/interchange.py) instead of
-    initialising it from ``seed``."""
+    splits the MoE layers' experts over that many data-parallel ranks (models/parallel/expert_parallel.py), which
+    FSDP2 then leaves out. ``pretrained`` reads each parameter's full tensor by name (the family's Hugging Face
+    adapter, models/interchange.py) instead of initialising it from ``seed``."""
     with torch.device("meta"):
         network = make_network()
     if keep_stage is not None:
