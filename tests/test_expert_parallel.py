@@ -245,11 +245,11 @@ def test_an_expert_parallel_resume_after_sigkill_is_bitwise_exact(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_an_expert_parallel_checkpoint_holds_whole_experts_and_resumes_on_one_process(
+def test_expert_parallel_checkpoints_hold_whole_experts_and_resume_across_layouts(
         tmp_path: Path, moe_run_args: list[str], one_process_moe_run: Path, expert_parallel_run: Path) -> None:
     """The sharded checkpoint consolidates into whole (n_expert, ...) expert weights and Adam moments, which a
     one-file checkpoint (save_distributed_checkpoint false) holds as they are; resumed in one process it trains the
-    next 2 steps as the one-process run's own checkpoint does."""
+    next 2 steps as the one-process run's own checkpoint does, and so does that one resumed under EP 2."""
     consolidated = last_checkpoint_contents(expert_parallel_run)
     one_file = fit(tmp_path / "one_file", moe_run_args, *EXPERT_PARALLEL,
                    "--trainer.strategy.init_args.save_distributed_checkpoint", "false")
@@ -264,6 +264,10 @@ def test_an_expert_parallel_checkpoint_holds_whole_experts_and_resumes_on_one_pr
                                       "--ckpt_path", str(last_checkpoint(source)))
                for source in (one_process_moe_run, expert_parallel_run)}
     assert_comparable_runs_agree(*resumed.values())
+    # and the other way: the one-process file resumed under expert parallelism
+    expert_parallel_resumed = fit(tmp_path / "expert_parallel_from_one_process", moe_run_args, *EXPERT_PARALLEL,
+                                  "--trainer.max_steps", "6", "--ckpt_path", str(last_checkpoint(one_process_moe_run)))
+    assert_comparable_runs_agree(resumed[one_process_moe_run], expert_parallel_resumed)
 
 
 @pytest.mark.slow
