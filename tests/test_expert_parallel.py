@@ -18,6 +18,8 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from core.precision import PRECISIONS
+from core.run_plan import RunPlan
 from models.moe.family import MoELanguageModel, moe_layers
 from models.moe.network import MOE_CONFIGS, MoE, MoEConfig
 from models.parallel.expert_parallel import reduce_expert_gradients
@@ -190,6 +192,14 @@ def test_what_expert_parallelism_cannot_do_is_refused_in_one_line(case: str, tmp
     family, layout, expected = REFUSALS[case]
     assert_one_line_error_in_process(["fit", *family, *debug_run_args, *layout, "--print_config"], tmp_path, expected,
                                      monkeypatch)
+
+
+def test_the_batch_plan_names_the_expert_split() -> None:
+    plan = RunPlan(devices_per_node=4, num_nodes=1, data_parallel_size=4, tensor_parallel_size=1, global_batch_size=8,
+                   micro_batch_size=2, sequence_length=64, precision=PRECISIONS["32-true"], seed=1,
+                   expert_parallel_size=2)
+    assert plan.describe().endswith("per optimizer step; experts split over 2 ranks x 2 replicas")
+    assert "experts" not in replace(plan, expert_parallel_size=1).describe()
 
 
 # ----- through the CLI -----
