@@ -109,10 +109,6 @@ class RunPlan:
         if self.tensor_parallel_size > 1:
             raise UserError(f"{field}={size} with tensor_parallel_size={self.tensor_parallel_size}: experts are split "
                             "over data-parallel ranks only; use tensor_parallel_size 1")
-        if self.data_parallel_replicate_size > 1:
-            raise UserError(f"{field}={size} with data_parallel_replicate_size={self.data_parallel_replicate_size}: "
-                            "expert parallelism runs under FSDP2 over all data-parallel ranks; set "
-                            "data_parallel_replicate_size 1")
 
     def _check_pipeline(self) -> None:
         field = "trainer.strategy.init_args"

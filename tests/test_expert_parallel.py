@@ -42,6 +42,9 @@ MOE = ["--model.class_path", "models.moe.family.MoELanguageModel"]
 EXPERT_PARALLEL = ["-c", str(CONFIG_DIR / "trainer/expert_parallel_cpu.yaml")]  # EP 2 x FSDP2 on 2 processes
 EXPERT_PARALLEL_4 = [*EXPERT_PARALLEL, "--trainer.devices", "4", "--trainer.strategy.init_args.data_parallel_size", "4",
                      *batch_sizes(8, 2)]  # 2 replicas of each half of the experts, FSDP2 over 4 ranks
+# the dense layers under HSDP (2 replicas x 2 shards), the experts split over 2 ranks x 2 replicas
+EXPERT_PARALLEL_HSDP = ["-c", str(CONFIG_DIR / "trainer/hsdp_cpu.yaml"),
+                        "--trainer.strategy.init_args.expert_parallel_size", "2", *batch_sizes(8, 2)]
 RECORD_ROUTING = ["--trainer.callbacks+=tests.helpers.RoutingRecord"]
 
 
@@ -171,10 +174,6 @@ REFUSALS = {  # case -> (family, layout, the refusal)
     "with tensor parallelism": (
         MOE, strategy_sizes(4, 2, 2, "--trainer.strategy.init_args.tensor_parallel_size", "2"),
         "expert_parallel_size=2 with tensor_parallel_size=2: experts are split over data-parallel ranks only"),
-    "with hybrid sharding's replicas": (
-        MOE, strategy_sizes(4, 4, 2, "--trainer.strategy.init_args.data_parallel_replicate_size", "2",
-                            *batch_sizes(8, 2)),
-        "expert_parallel_size=2 with data_parallel_replicate_size=2"),
     # DDP, FSDP (1), the pipeline, the parameter server and Lightning's own ModelParallelStrategy have no such option
     "under DDP": (MOE, ["-c", str(CONFIG_DIR / "trainer/ddp_cpu.yaml"),
                         "--trainer.strategy.init_args.expert_parallel_size", "2"],
@@ -231,17 +230,19 @@ def expert_parallel_run(tmp_path_factory: pytest.TempPathFactory, moe_run_args: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ep2", "ep2-x2"])
+@pytest.mark.parametrize("layout", ["ep2", "ep2-x2", "ep2-x2-hsdp"])
 def test_expert_parallel_runs_train_as_one_process_does(tmp_path: Path, layout: str, moe_run_args: list[str],
                                                         one_process_moe_run: Path, expert_parallel_run: Path) -> None:
     """4 clipped steps of 8 samples: the same gradient norm at every step, validation loss after it and final
     weights as one process (micro-batches of 4: one per rank under EP 2, two after each other in one process; of 2
-    on the 4 ranks of EP 2 x 2 replicas). Routing is discrete, so the runs are compared where it could differ: the
-    routers of the 8 x 64 tokens x 2 layers of each step start nearly even (probabilities near 1/4; smallest gap
-    between a k-th and a (k+1)-th about 1e-6, recorded), a few float32 ulps (3e-8 each) above what the layouts'
-    rounding moves them; so the routing itself is compared, and every step's token choices per expert per layer,
-    over all ranks, are one process's exactly (a choice routed elsewhere moves two counts)."""
-    run = expert_parallel_run if layout == "ep2" else routed_fit(tmp_path, moe_run_args, *EXPERT_PARALLEL_4)
+    on the 4 ranks of EP 2 x 2 replicas, the dense layers under FSDP2 over 4 or HSDP 2 x 2). Routing is discrete,
+    so the runs are compared where it could differ: the routers of the 8 x 64 tokens x 2 layers of each step start
+    nearly even (probabilities near 1/4; smallest gap between a k-th and a (k+1)-th about 1e-6, recorded), a few
+    float32 ulps (3e-8 each) above what the layouts' rounding moves them; so the routing itself is compared, and
+    every step's token choices per expert per layer, over all ranks, are one process's exactly (a choice routed
+    elsewhere moves two counts)."""
+    others = {"ep2-x2": EXPERT_PARALLEL_4, "ep2-x2-hsdp": EXPERT_PARALLEL_HSDP}
+    run = expert_parallel_run if layout == "ep2" else routed_fit(tmp_path, moe_run_args, *others[layout])
     assert routing(run)["counts"] == routing(one_process_moe_run)["counts"]
     assert routing(run)["smallest_gap"] > 0  # no tie, which the layouts could break either way
     assert_comparable_runs_agree(one_process_moe_run, run)

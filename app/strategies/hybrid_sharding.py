@@ -46,7 +46,8 @@ class HybridShardedStrategy(ModelParallelStrategy):
                 (core/run_plan.py), which models/parallel/parallelize.py choose_gradient_reduction acts on.
             expert_parallel_size: data-parallel ranks that split each MoE layer's experts between them and exchange
                 the routed tokens (models/parallel/expert_parallel.py); must divide data_parallel_size and the
-                model's n_expert. 1: every expert on every rank, sharded by FSDP2 like the rest.
+                model's n_expert; composes with data_parallel_replicate_size (the dense layers hybrid-sharded, the
+                experts split as they are). 1: every expert on every rank, sharded by FSDP2 like the rest.
             save_distributed_checkpoint, process_group_backend, timeout: as ModelParallelStrategy's.
         """
         super().__init__(data_parallel_size, tensor_parallel_size, save_distributed_checkpoint,

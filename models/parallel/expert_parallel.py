@@ -7,7 +7,8 @@ The data-parallel ranks form a row-major (expert_replicate, expert_parallel) gri
 dimension holds experts [e x E / P, (e + 1) x E / P) with e = r mod P (P = expert_parallel_size, E = n_expert), and
 the data_parallel_size / P ranks with the same e hold the same experts (replicas). Each expert weight is a DTensor
 on that grid, placed (Replicate(), Shard(0)), so checkpoints, consolidation and the gradient norm see the whole
-tensor; FSDP2 shards the rest of the network over every data-parallel rank and leaves the experts alone.
+tensor; FSDP2 shards the rest of the network over the data-parallel ranks (all of them, or under hybrid sharding
+each replica's) and leaves the experts alone.
 
 A forward on rank r, which routed its own tokens: the counts per expert go to every rank of its expert-parallel
 group (all-to-all), then each rank's tokens go to the ranks of their experts (all-to-all, torch's autograd-aware
