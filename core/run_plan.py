@@ -11,7 +11,8 @@ Ranks sit on the strategy's device mesh, row-major over (pipeline_parallel, data
 order of torchtitan and of ModelParallelStrategy's (data_parallel, tensor_parallel) mesh when there is no
 pipeline. Ranks of one tensor-parallel group, and the stages of one pipeline, read the same samples; under DDP
 every rank is its own data-parallel rank. Under hybrid sharding the data-parallel dimension is itself row-major over
-(replica, shard): data-parallel rank = replica x shards + shard, each reading its own samples.
+(replica, shard): data-parallel rank = replica x shards + shard, each reading its own samples. Expert parallelism
+splits the experts over consecutive data-parallel ranks the same way: (expert replica, expert-parallel rank).
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class RunPlan:
     # FSDP2 under accumulation: reduce-scatter every micro-batch's gradients (sharded gradients only: less memory)
     # rather than once per optimizer step (unsharded gradients held until the step's last micro-batch)
     reduce_gradients_every_micro_batch: bool = False
+    # expert parallelism (models/parallel/expert_parallel.py): each MoE layer's experts split over this many
+    # data-parallel ranks, which exchange the routed tokens; data_parallel_size / expert_parallel_size replicas of
+    # each expert; 1: every rank holds (its FSDP2 shard of) every expert
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check_ranges("trainer", {"devices": (self.devices_per_node >= 1, "at least 1 per node"),
@@ -92,6 +97,18 @@ class RunPlan:
             raise UserError(f"trainer.strategy.init_args.data_parallel_replicate_size={replicas} must be at least 1 "
                             f"and divide data_parallel_size={self.data_parallel_size} (replicas x shards): choose a "
                             "divisor, such as the number of nodes")
+        if self.expert_parallel_size != 1:
+            self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        field = "trainer.strategy.init_args.expert_parallel_size"
+        size = self.expert_parallel_size
+        if size < 1 or self.data_parallel_size % size != 0:
+            raise UserError(f"{field}={size} must be at least 1 and divide data_parallel_size="
+                            f"{self.data_parallel_size}: the experts are split over that many data-parallel ranks")
+        if self.tensor_parallel_size > 1:
+            raise UserError(f"{field}={size} with tensor_parallel_size={self.tensor_parallel_size}: experts are split "
+                            "over data-parallel ranks only; use tensor_parallel_size 1")
 
     def _check_pipeline(self) -> None:
         field = "trainer.strategy.init_args"
@@ -244,10 +261,14 @@ class RunPlan:
                       f"{self.global_batch_size} / q over its {self.data_parallel_size} ranks)")
         hybrid = (f" ({self.data_parallel_replicate_size} replicas x {self.data_parallel_shard_size} shards)"
                   if self.data_parallel_replicate_size > 1 else "")
+        expert_replicas = self.data_parallel_size // self.expert_parallel_size
+        experts = (f"; experts split over {self.expert_parallel_size} ranks"
+                   + (f" x {expert_replicas} replicas" if expert_replicas > 1 else "")
+                   if self.expert_parallel_size > 1 else "")
         return (f"global batch {self.global_batch_size} = micro batch {self.micro_batch_size} x "
                 f"{self.data_parallel_size} data-parallel ranks{hybrid} x {self.accumulation} accumulation "
                 f"steps{groups}; "
-                f"{self.tokens_per_step:,} {self.unit} per optimizer step{pipeline}")
+                f"{self.tokens_per_step:,} {self.unit} per optimizer step{pipeline}{experts}")
 
 
 def run_plan_of(holder: object) -> RunPlan:

@@ -37,6 +37,7 @@ from core.tokens import IGNORE_INDEX
 from models.class_paths import class_path_of, current_class_path
 from models.interchange import HuggingFaceAdapter, HuggingFaceFolder
 from models.optimizer import OptimizerSettings
+from models.parallel.expert_parallel import reduce_expert_gradients
 from models.parallel.parallelize import (
     GradientNorms, TensorParallelPlan, build_network, check_tensor_parallel_size, choose_gradient_reduction,
     clip_grad_norm_, repeated_blocks,
@@ -65,6 +66,7 @@ class CohortModule(StepLoggedModule):
     # how the family's network reads (model.init_from) and writes (cohort export) Hugging Face folders; None: not
     huggingface: ClassVar[HuggingFaceAdapter | None] = None
     logs_perplexity: ClassVar[bool] = False  # a language model's: also exp(val/loss) as val/perplexity
+    routes_to_experts: ClassVar[bool] = False  # whether its network has experts to spread (expert_parallel_size)
 
     def __init__(self, optimizer: OptimizerSettings = OptimizerSettings()) -> None:
         """
@@ -217,6 +219,7 @@ class CohortModule(StepLoggedModule):
             autocast_dtype=self.run_plan.precision.autocast_dtype if self.run_plan is not None else None,
             keep_stage=keep_stage, pretrained=self.pretrained_weights(),
             data_parallel_replicas=self.run_plan.data_parallel_replicate_size if self.run_plan is not None else 1,
+            expert_parallel_size=self.run_plan.expert_parallel_size if self.run_plan is not None else 1,
         )
 
     @property
@@ -274,6 +277,11 @@ class CohortModule(StepLoggedModule):
         """Lightning's backward of the training step's loss; under a pipeline the schedule has run it already."""
         if self.pipeline is None:
             super().backward(loss, *args, **kwargs)
+
+    def on_after_backward(self) -> None:
+        """Experts split over ranks reduce their gradients after their optimizer step's last backward
+        (models/parallel/expert_parallel.py)."""
+        reduce_expert_gradients(self.model)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         """Lightning zeroes the gradients between the step's first training_step and its backward, which would drop

@@ -564,6 +564,49 @@ class ShardingRecord(Callback):
         (self.out_dir / f"sharding_rank{trainer.global_rank}.json").write_text(json.dumps(summary))
 
 
+class RoutingRecord(Callback):
+    """Records what the MoE layers' routers chose, into ``out_dir``/routing.json (rank 0): each optimizer step's
+    token choices per expert of each layer, summed over the step's micro-batches and the ranks (a choice routed
+    elsewhere moves two counts), and the smallest gap seen in training, over every token of every layer, between a
+    token's k-th and (k+1)-th router probability (how far the rounding of another layout would have to move them)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+        self.smallest = math.inf
+        self.counts: dict[int, torch.Tensor] = {}  # global step -> (layers, experts)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from models.moe.family import moe_layers
+
+        self.layers = moe_layers(pl_module.model)
+        for layer in self.layers:
+            layer.register_forward_hook(self.record)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.step = trainer.global_step
+
+    @torch.no_grad()
+    def record(self, layer: torch.nn.Module, args: tuple[torch.Tensor], _: torch.Tensor) -> None:
+        if not layer.training:
+            return
+        weight = layer.router.weight
+        weight = weight.full_tensor() if isinstance(weight, DTensor) else weight
+        probabilities = (args[0].float() @ weight.float().T).softmax(dim=-1).sort(dim=-1, descending=True).values
+        gap = probabilities[..., layer.top_k - 1] - probabilities[..., layer.top_k]
+        self.smallest = min(self.smallest, gap.min().item())
+        counts = self.counts.setdefault(self.step, torch.zeros(len(self.layers), len(layer.tokens_per_expert),
+                                                               dtype=torch.long))
+        counts[self.layers.index(layer)] += layer.tokens_per_expert.cpu()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        counts = torch.stack([self.counts[step] for step in sorted(self.counts)])
+        counts = trainer.strategy.reduce(counts, reduce_op="sum")
+        smallest = trainer.strategy.reduce(torch.tensor(self.smallest), reduce_op="min")
+        if trainer.global_rank == 0:
+            (self.out_dir / "routing.json").write_text(json.dumps({"counts": counts.tolist(),
+                                                                   "smallest_gap": smallest.item()}))
+
+
 class LagBehindWorker(Callback):
     """Parameter-server workers that count their pushes the server answered with weights (applied, or dropped as
     too stale), each into ``out_dir``/answered_rank{R}.json; worker ``rank`` also lags worker ``other`` by an exact
@@ -661,6 +704,33 @@ class ScriptedStepTimes(Callback):
         if (self.batch_idx + 1) % accumulation == 0:  # this backward all-reduced the gradients
             lag = max(self.compute_seconds) - self.compute_seconds[trainer.global_rank]
             self.now += lag * accumulation
+
+
+class ScriptedExchangeTimes(ScriptedStepTimes):
+    """ScriptedStepTimes under expert parallelism: besides its compute, each token exchange (all-to-all) of rank R's
+    training forwards takes ``exchange_seconds[R]`` on the monitor's clock. The monitor hands the exchanges its
+    time points (models/parallel/expert_parallel.py ExpertParallel.mark), start and end in turn; this wraps them, so
+    that time moves at each end."""
+
+    def __init__(self, compute_seconds: list[float], exchange_seconds: list[float]) -> None:
+        super().__init__(compute_seconds)
+        self.exchange_seconds = exchange_seconds
+        self.marks = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        from models.parallel.expert_parallel import expert_parallel_of
+
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self.rank = trainer.global_rank
+        state = expert_parallel_of(pl_module.model)
+        if state.mark != self.scripted_mark:  # the monitor's own, set at train start and after each validation
+            self.monitor_mark, state.mark = state.mark, self.scripted_mark
+
+    def scripted_mark(self) -> Any:
+        self.marks += 1
+        if self.marks % 2 == 0:  # an exchange's end
+            self.now += self.exchange_seconds[self.rank]
+        return self.monitor_mark()
 
 
 class SignalAllThenHang(Callback):

@@ -72,6 +72,13 @@ REFUSED.update({("moe-small/pretrain.yaml", preset): refusal for (recipe, preset
 # hsdp_gpu_bf16 has multinode_gpu_bf16's 16 data-parallel ranks (2 nodes of 8 GPUs), so the same refusals
 REFUSED.update({(recipe, "hsdp_gpu_bf16"): refusal for (recipe, preset), refusal in list(REFUSED.items())
                 if preset == "multinode_gpu_bf16"})
+# expert parallelism needs a family with experts; on the GPU preset's 8 data-parallel ranks a recipe's batch sizes are
+# refused first, as model_parallel_gpu_bf16's 8 refuse them
+NO_EXPERTS = "has no experts to split over expert_parallel_size"
+REFUSED.update({(str(recipe.relative_to(REPO_ROOT / "configs")), preset): NO_EXPERTS for recipe in RECIPES
+                if recipe.parent.name != "moe-small" for preset in ("expert_parallel_cpu", "expert_parallel_gpu_bf16")})
+REFUSED.update({(recipe, "expert_parallel_gpu_bf16"): refusal for (recipe, preset), refusal in list(REFUSED.items())
+                if preset == "model_parallel_gpu_bf16"})
 
 # recipes that start from a Hugging Face folder the user brings (model.init_from), which this machine has not got
 STARTS_FROM_A_FOLDER = {"llama-8b/continued_pretraining.yaml"}

@@ -186,9 +186,9 @@ def check_config_against_plan(config: Namespace, plan: RunPlan, strategy: Config
 
 def check_family_honours_strategy(family: type[CohortModule], plan: RunPlan, kind: StrategyKind) -> None:
     """A UserError, naming what the family lacks, for a layout its network cannot be given: pipeline stages without
-    ``pipeline_split``, tensor parallelism without ``tensor_parallel_plan``, and any sharded strategy for a family
-    that builds its network in its own ``configure_model`` (where Cohort cannot shard it, each rank would train a
-    replica of its own)."""
+    ``pipeline_split``, tensor parallelism without ``tensor_parallel_plan``, expert parallelism without experts
+    (``routes_to_experts``), and any sharded strategy for a family that builds its network in its own
+    ``configure_model`` (where Cohort cannot shard it, each rank would train a replica of its own)."""
     name = family.__name__
     if plan.pipeline_parallel_size > 1 and not overrides(family, "pipeline_split"):
         raise UserError(f"{name} has no pipeline split (CohortModule.pipeline_split): train it without pipeline "
@@ -196,6 +196,9 @@ def check_family_honours_strategy(family: type[CohortModule], plan: RunPlan, kin
     if plan.tensor_parallel_size > 1 and not overrides(family, "tensor_parallel_plan"):
         raise UserError(f"{name} has no tensor-parallel plan (CohortModule.tensor_parallel_plan): set "
                         "trainer.strategy.init_args.tensor_parallel_size 1, or give the family a plan")
+    if plan.expert_parallel_size > 1 and not family.routes_to_experts:
+        raise UserError(f"{name} has no experts to split over expert_parallel_size={plan.expert_parallel_size} ranks: "
+                        "set trainer.strategy.init_args.expert_parallel_size 1, or train a mixture-of-experts family")
     if kind.shards_layers and plan.world_size > 1 and overrides(family, "configure_model"):
         raise UserError(f"{name} builds its network in its own configure_model, which Cohort cannot shard over "
                         f"{plan.world_size} processes: remove configure_model and let Cohort build plain_network() "

@@ -41,7 +41,8 @@ Settings = TypeVar("Settings")  # a feature's frozen settings record
 PIPELINE_DEFAULTS = {name: parameter.default for name, parameter
                      in inspect.signature(PipelineParallelStrategy.__init__).parameters.items() if name != "self"}
 HYBRID_SHARDING_DEFAULTS = {name: inspect.signature(HybridShardedStrategy.__init__).parameters[name].default
-                            for name in ("data_parallel_replicate_size", "reduce_gradients_every_micro_batch")}
+                            for name in ("data_parallel_replicate_size", "reduce_gradients_every_micro_batch",
+                                         "expert_parallel_size")}
 
 
 def resolve_run_plan(config: Namespace) -> tuple[ConfiguredStrategy, RunPlan]:
@@ -203,10 +204,10 @@ def parallel_sizes(trainer: Namespace, kind: StrategyKind) -> tuple[int, int, in
 
 
 def hybrid_sharding_options(trainer: Namespace, kind: StrategyKind) -> dict[str, int | bool]:
-    """HybridShardedStrategy's replicate size and gradient reduction under accumulation, as given (the run plan
-    refuses a replicate size that does not divide the data-parallel size), else its defaults: Lightning's
-    ModelParallelStrategy, which has neither argument, shards over all data-parallel ranks and, like every FSDP2
-    run, reduces the gradients once per optimizer step."""
+    """HybridShardedStrategy's replicate size, gradient reduction under accumulation and expert-parallel size, as
+    given (the run plan refuses sizes that do not divide the data-parallel size), else its defaults: Lightning's
+    ModelParallelStrategy, which has none of these arguments, shards over all data-parallel ranks, every expert
+    included, and, like every FSDP2 run, reduces the gradients once per optimizer step."""
     if kind is not StrategyKind.MODEL_PARALLEL:
         return {}
     given = getattr(trainer.strategy, "init_args", None) or Namespace()

@@ -17,6 +17,10 @@ Under a pipeline each rank also reports its stages' compute inside the schedule 
 the other stages; that wait is idle, not compute. The share of the pipeline's time in which a rank did not compute
 is its measured bubble, logged per rank beside the schedule's theoretical one (models/parallel/pipeline.py theoretical_bubble:
 (p - 1) / (m + p - 1) for 1F1B, less for the interleaved and zero-bubble schedules).
+
+With experts split over ranks (models/parallel/expert_parallel.py) each rank also reports the time its training
+forwards spent in the token exchanges (all-to-all: dispatch and combine, waiting for the other ranks included),
+taken out of compute; the exchanges of backward stay in compute.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
-from app.observability.fields import (COMPUTE, CUDA_PEAK_ALLOCATED, CUDA_PEAK_RESERVED, DATA_WAIT, FIELDS, HOST_RSS,
-                                      LOSS, LOSS_STD, PIPELINE_COMPUTE, PIPELINE_WAIT, STEP, SYNC_WAIT, logged_fields)
+from app.observability.fields import (ALL_TO_ALL, COMPUTE, CUDA_PEAK_ALLOCATED, CUDA_PEAK_RESERVED, DATA_WAIT, FIELDS,
+                                      HOST_RSS, LOSS, LOSS_STD, PIPELINE_COMPUTE, PIPELINE_WAIT, STEP, SYNC_WAIT,
+                                      logged_fields)
 from app.observability.flops import measured_peak_tflops, peak_tflops_per_device
 from app.observability.routing import ExpertLoad
 from app.observability.tensorboard_layout import log_final_val_loss, write_layout
@@ -44,6 +49,7 @@ from app.observability.verdicts import DataWaitWatch, StragglerWatch, loss_depar
 from core.errors import check_ranges
 from core.run_plan import run_plan_of
 from core.sizes import GIB
+from models.parallel.expert_parallel import expert_parallel_of
 from models.parallel.pipeline import theoretical_bubble
 
 
@@ -131,6 +137,7 @@ class RankMonitor(Callback):
         self.summary: list[dict[str, float]] = []  # one entry per window, on every rank
         self._sync_measured = False  # set at train start: sync wait is timed (DDP on 2 ranks or more)
         self._pipeline: Any = None  # set at train start: the module's Pipeline (models/parallel/pipeline.py), if any
+        self._expert_parallel: Any = None  # set at train start: its split experts' state, if any
         self._cuda = False  # set at train start: the device is a GPU
         self._fields = logged_fields(self._cuda, pipeline=False)  # set at train start: those this run logs
         self._expert_load: ExpertLoad | None = None  # set at train start: a mixture of experts' routing, if any
@@ -145,7 +152,12 @@ class RankMonitor(Callback):
         if self.every_n_steps is None:
             self.every_n_steps = trainer.log_every_n_steps
         self._cuda = trainer.strategy.root_device.type == "cuda"
-        self._fields = logged_fields(self._cuda, pipeline=self._pipeline is not None)
+        network = getattr(pl_module, "model", None)
+        self._expert_parallel = expert_parallel_of(network) if network is not None else None
+        if self._expert_parallel is not None:
+            self._expert_parallel.mark = self._mark
+        self._fields = logged_fields(self._cuda, pipeline=self._pipeline is not None,
+                                     expert_parallel=self._expert_parallel is not None)
         self._plan = plan = run_plan_of(pl_module)
         # a "token" is a sample's unit of work: a token of text, or a whole image (sequence_length 1)
         self.flops_per_token = pl_module.flops_per_sample(plan.sequence_length) / plan.sequence_length
@@ -205,6 +217,8 @@ class RankMonitor(Callback):
         self._losses: list[torch.Tensor] = []
         self._micro_batches: list[tuple[Marker, Marker, Marker | None, Marker | None]] = []
         self._local_syncs: list[tuple[Marker, Marker]] = []  # local updates' syncs, inside the optimizer step
+        if self._expert_parallel is not None:
+            self._expert_parallel.exchanges.clear()
         if self._cuda:
             torch.cuda.reset_peak_memory_stats()
 
@@ -214,11 +228,15 @@ class RankMonitor(Callback):
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._pause_start = self.clock()
+        if self._expert_parallel is not None:  # validation's exchanges are not step time
+            self._expert_parallel.mark = None
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # trainer.training is False inside validation, even during fit: the window exists only once fit trains
         if not trainer.sanity_checking and hasattr(self, "_window_start"):
             self._paused += self.clock() - self._pause_start
+        if self._expert_parallel is not None:
+            self._expert_parallel.mark = self._mark
 
     # ----- per micro-batch: markers only, nothing that stalls the device -----
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -253,6 +271,10 @@ class RankMonitor(Callback):
             sync = start.seconds_until(end)
             self._compute -= sync
             self._sync_wait += sync
+        all_to_all = 0.0
+        if self._expert_parallel is not None:
+            all_to_all = sum(start.seconds_until(end) for start, end in self._expert_parallel.exchanges)
+            self._compute -= all_to_all
         pipeline_compute = pipeline_wait = 0.0
         if self._pipeline is not None:  # its waits on the other stages happened inside the step: idle, not compute
             pipeline_compute = self._pipeline.compute_seconds - self._pipeline_at_start[0]
@@ -262,7 +284,7 @@ class RankMonitor(Callback):
         window_seconds = {
             DATA_WAIT: self._loader_wait() - self._data_wait_at_start, COMPUTE: self._compute,
             SYNC_WAIT: self._sync_wait, STEP: self.clock() - self._window_start - self._paused,
-            PIPELINE_COMPUTE: pipeline_compute, PIPELINE_WAIT: pipeline_wait,
+            PIPELINE_COMPUTE: pipeline_compute, PIPELINE_WAIT: pipeline_wait, ALL_TO_ALL: all_to_all,
         }
         measured = {
             **{field: seconds / self._steps for field, seconds in window_seconds.items()},

@@ -27,6 +27,7 @@ class HybridShardedStrategy(ModelParallelStrategy):
         tensor_parallel_size: int | Literal["auto"] = "auto",
         data_parallel_replicate_size: int = 1,
         reduce_gradients_every_micro_batch: bool = False,
+        expert_parallel_size: int = 1,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -43,9 +44,14 @@ class HybridShardedStrategy(ModelParallelStrategy):
                 false: keep the unsharded gradients until the step's last micro-batch and reduce once. Across replicas
                 the gradients are all-reduced once per optimizer step either way. Read into the run plan
                 (core/run_plan.py), which models/parallel/parallelize.py choose_gradient_reduction acts on.
+            expert_parallel_size: data-parallel ranks that split each MoE layer's experts between them and exchange
+                the routed tokens (models/parallel/expert_parallel.py); must divide data_parallel_size and the
+                model's n_expert; composes with data_parallel_replicate_size (the dense layers hybrid-sharded, the
+                experts split as they are). 1: every expert on every rank, sharded by FSDP2 like the rest.
             save_distributed_checkpoint, process_group_backend, timeout: as ModelParallelStrategy's.
         """
         super().__init__(data_parallel_size, tensor_parallel_size, save_distributed_checkpoint,
                          process_group_backend, timeout)
         self.data_parallel_replicate_size = data_parallel_replicate_size
         self.reduce_gradients_every_micro_batch = reduce_gradients_every_micro_batch
+        self.expert_parallel_size = expert_parallel_size

@@ -12,7 +12,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from jsonargparse import Namespace
 
+from core.errors import UserError
+from core.run_plan import RunPlan
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
 from models.causal_language_model import CausalLanguageModel
@@ -34,6 +37,7 @@ MOE_TENSOR_PARALLEL_PLAN: TensorParallelPlan = {
 class MoELanguageModel(CausalLanguageModel):
     label = "MoE"
     huggingface = MOE_HUGGING_FACE
+    routes_to_experts = True
 
     def __init__(
         self,
@@ -78,6 +82,15 @@ class MoELanguageModel(CausalLanguageModel):
     @classmethod
     def named_config(cls, model_name: str, vocab_size: int | None) -> MoEConfig:
         return moe_config(model_name, vocab_size=vocab_size)
+
+    @classmethod
+    def check_config(cls, model: Namespace, data: Namespace, plan: RunPlan) -> None:
+        """The language model's checks, and experts that split evenly over the expert-parallel ranks."""
+        super().check_config(model, data, plan)
+        n_expert = cls.named_config(model.model_name, data.vocab_size).n_expert
+        if n_expert % plan.expert_parallel_size != 0:
+            raise UserError(f"trainer.strategy.init_args.expert_parallel_size={plan.expert_parallel_size} does not "
+                            f"divide the {n_expert} experts of model '{model.model_name}': choose a divisor")
 
     @staticmethod
     def sharded_head_counts(config: MoEConfig) -> tuple[int, ...]:

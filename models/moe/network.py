@@ -137,8 +137,9 @@ class SwiGLU(nn.Module):
 
 
 class Experts(nn.Module):
-    """``n_expert`` SwiGLU MLPs with their weights stacked on a first dimension of experts (a rank's own experts
-    under expert parallelism: the shapes are read from the tensors)."""
+    """``n_expert`` SwiGLU MLPs with their weights stacked on a first dimension of experts. Their arithmetic is
+    ``expert_outputs``, which expert parallelism (models/parallel/expert_parallel.py) runs on a rank's own slice of
+    the weights (the shapes are read from the tensors)."""
 
     def __init__(self, n_expert: int, n_embd: int, width: int) -> None:
         super().__init__()
@@ -148,21 +149,27 @@ class Experts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``tokens`` (N, C) grouped by expert, in expert order: the first ``tokens_per_expert[0]`` rows for expert 0,
-        and so on; rows past their sum are dropped choices, whose outputs are zero. Returns (N, C) in the same order.
-        On the meta device, which has no counts, the rows are shared evenly (the work of a balanced router: what
-        FLOP counts and memory estimates see)."""
-        n_expert = self.gate_proj.shape[0]
-        if tokens.is_meta:
-            share, extra = divmod(tokens.shape[0], n_expert)
-            sizes = [share + (expert < extra) for expert in range(n_expert)]
-        else:
-            sizes = tokens_per_expert.tolist()
-        outputs = []
-        for expert, group in enumerate(tokens[: sum(sizes)].split(sizes)):
-            hidden = F.silu(group @ self.gate_proj[expert].T) * (group @ self.up_proj[expert].T)
-            outputs.append(hidden @ self.down_proj[expert].T)
-        outputs.append(tokens.new_zeros(tokens.shape[0] - sum(sizes), tokens.shape[1]))
-        return torch.cat(outputs)
+        and so on; rows past their sum are dropped choices, whose outputs are zero. Returns (N, C) in the same order."""
+        return expert_outputs(self.gate_proj, self.up_proj, self.down_proj, tokens, tokens_per_expert)
+
+
+def expert_outputs(gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor, tokens: torch.Tensor,
+                   tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """``Experts.forward`` on the stacked weights given (expert parallelism passes a rank's own slice of them). On the
+    meta device, which has no counts, the rows are shared evenly (the work of a balanced router: what FLOP counts and
+    memory estimates see)."""
+    n_expert = gate_proj.shape[0]
+    if tokens.is_meta:
+        share, extra = divmod(tokens.shape[0], n_expert)
+        sizes = [share + (expert < extra) for expert in range(n_expert)]
+    else:
+        sizes = tokens_per_expert.tolist()
+    outputs = []
+    for expert, group in enumerate(tokens[: sum(sizes)].split(sizes)):
+        hidden = F.silu(group @ gate_proj[expert].T) * (group @ up_proj[expert].T)
+        outputs.append(hidden @ down_proj[expert].T)
+    outputs.append(tokens.new_zeros(tokens.shape[0] - sum(sizes), tokens.shape[1]))
+    return torch.cat(outputs)
 
 
 class MoEFeedForward(nn.Module):

@@ -2,7 +2,8 @@
 
 ``build_network`` creates a family's network on the meta device (no memory, whatever its size), optionally keeps
 only one pipeline stage of it, then applies tensor parallelism (from the family's plan), activation checkpointing
-and compile (per repeated block), and FSDP2 (each repeated block one unit, the root the rest), materialises this
+and compile (per repeated block), expert parallelism (a mixture of experts' experts split by expert:
+models/parallel/expert_parallel.py) and FSDP2 (each repeated block one unit, the root the rest), materialises this
 rank's shards on its device and initialises them. The repeated blocks are found by ``repeated_blocks`` unless
 the family names them. Initial weights depend on the seed only, never on the layout: a network with
 ``initial_std(name)`` (GPT, BERT) draws each parameter whole from a generator seeded by (seed, parameter name),
@@ -28,6 +29,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from core.errors import UserError
 from core.run_plan import RunPlan
 from core.seeding import derive_seed
+from models.parallel.expert_parallel import (
+    apply_expert_parallel, expert_mesh, expert_parallel_of, expert_weights,
+)
 
 # a family's tensor-parallel plan: module-name patterns ("blocks.*.attn.qkv") -> how that Linear is split.
 # "colwise": by output features (each rank a slice of the outputs), "rowwise": by input features (each rank a
@@ -50,15 +54,17 @@ def build_network(
     keep_stage: Callable[[nn.Module], None] | None = None,
     pretrained: Callable[[str], torch.Tensor] | None = None,
     data_parallel_replicas: int = 1,
+    expert_parallel_size: int = 1,
 ) -> nn.Module:
     """``make_network()`` on ``device``, parallelised over ``device_mesh`` (dims "data_parallel" and
     "tensor_parallel") if given, with FSDP2 over ``data_parallel_replicas`` replicas of the data-parallel ranks
     (``fsdp_mesh``), and initialised from ``seed``. ``autocast_dtype`` (mixed precision's) is the dtype FSDP2 gathers
     the weights in, except in a network with batch norms, whose float32 running statistics cannot meet
     half-precision weights (autocast then runs its convolutions in half precision, as under DDP). ``keep_stage``
-    removes what other pipeline stages hold, so that only this rank's stage is built. ``pretrained`` reads each
-    parameter's full tensor by name (the family's Hugging Face adapter, models/interchange.py) instead of
-    initialising it from ``seed``."""
+    removes what other pipeline stages hold, so that only this rank's stage is built. ``expert_parallel_size`` > 1
+    splits the MoE layers' experts over that many data-parallel ranks (models/parallel/expert_parallel.py), which
+    FSDP2 then leaves out. ``pretrained`` reads each parameter's full tensor by name (the family's Hugging Face
+    adapter, models/interchange.py) instead of initialising it from ``seed``."""
     with torch.device("meta"):
         network = make_network()
     if keep_stage is not None:
@@ -70,13 +76,17 @@ def build_network(
         block_list = apply_activation_checkpointing(network, block_list)
     if compile:
         apply_compile(block_list)
+    experts_apart: set[nn.Parameter] = set()
+    if expert_parallel_size > 1:
+        apply_expert_parallel(network, expert_mesh(device_mesh, expert_parallel_size))
+        experts_apart = set(expert_weights(network))
     if shards_data_parallel(device_mesh, pipeline_stage=keep_stage is not None):
         # a pipeline runs each stage's forward once per pipeline micro-batch: gathering the shards again each time
         # would cost more than keeping them (torchtitan does the same)
         batch_norms = any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in network.modules())
         apply_fsdp(network, block_list, fsdp_mesh(device_mesh, data_parallel_replicas),
                    None if batch_norms else autocast_dtype,
-                   reshard_after_forward=keep_stage is None)
+                   reshard_after_forward=keep_stage is None, ignored_params=experts_apart)
     materialize(network, device)
     if pretrained is not None:
         load_weights(network, pretrained)
@@ -178,14 +188,15 @@ def apply_compile(blocks: list[nn.Module]) -> None:
 
 
 def apply_fsdp(network: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
-               param_dtype: torch.dtype | None = None, reshard_after_forward: bool = True) -> None:
+               param_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
+               ignored_params: set[nn.Parameter] | None = None) -> None:
     """FSDP2: each block is one unit (gathered just before it runs, freed after unless ``reshard_after_forward``
-    is false); the root holds the rest (embeddings, norms, a tied head). Gradients are reduced in float32 whatever
-    the compute dtype."""
+    is false); the root holds the rest (embeddings, norms, a tied head), except ``ignored_params`` (experts spread
+    over ranks their own way). Gradients are reduced in float32 whatever the compute dtype."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-    for block in blocks:
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(network, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for module in [*blocks, network]:
+        fully_shard(module, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                    ignored_params=ignored_params)
 
 
 def choose_gradient_reduction(network: nn.Module, plan: RunPlan, batch_index: int) -> None:
@@ -193,7 +204,11 @@ def choose_gradient_reduction(network: nn.Module, plan: RunPlan, batch_index: in
     optimizer step's last micro-batch; on the others none (each rank adds up the unsharded gradients: one reduction
     per step, as DDP's no_sync, which Lightning does not do for FSDP2), or with
     ``plan.reduce_gradients_every_micro_batch`` the reduce-scatter only (each rank adds up its shard: less memory).
-    Under hybrid sharding the shards are all-reduced across the replicas on the last micro-batch only, either way."""
+    Under hybrid sharding the shards are all-reduced across the replicas on the last micro-batch only, either way;
+    experts spread over ranks (models/parallel/expert_parallel.py) are reduced on the last micro-batch only."""
+    expert_parallel = expert_parallel_of(network)
+    if expert_parallel is not None:
+        expert_parallel.last_micro_batch = plan.ends_optimizer_step(batch_index)
     if not isinstance(network, FSDPModule):
         return
     last = plan.ends_optimizer_step(batch_index)
