@@ -507,7 +507,7 @@ class RecordRouterInputs(Callback):
         self.records: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from models.moe.family import moe_layers
+        from models.routed_experts import moe_layers
 
         for index, layer in enumerate(moe_layers(pl_module)):
             def record(module: torch.nn.Module, inputs: tuple[torch.Tensor], index: int = index) -> None:
@@ -576,7 +576,7 @@ class RoutingRecord(Callback):
         self.counts: dict[int, torch.Tensor] = {}  # global step -> (layers, experts)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from models.moe.family import moe_layers
+        from models.routed_experts import moe_layers
 
         self.layers = moe_layers(pl_module.model)
         for layer in self.layers:

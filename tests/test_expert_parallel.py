@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor
 
 from core.precision import PRECISIONS
 from core.run_plan import RunPlan
-from models.moe.family import MoELanguageModel, moe_layers
+from models.moe.family import MoELanguageModel
+from models.routed_experts import moe_layers
 from models.moe.network import MOE_CONFIGS, MoE, MoEConfig
 from models.parallel.expert_parallel import reduce_expert_gradients
 from models.parallel.parallelize import build_network, choose_gradient_reduction, clip_grad_norm_

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.moe.family import MoELanguageModel, moe_layers
-from models.moe.network import MOE_CONFIGS, MoE, MoEConfig, MoEFeedForward, moe_parameter_counts
+from models.moe.family import MoELanguageModel
+from models.moe.network import MOE_CONFIGS, MoE, MoEConfig, moe_parameter_counts
+from models.routed_experts import MoEFeedForward, moe_layers
 
 TINY = MoEConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=16, n_expert=4, top_k=2, expert_size=8, block_size=16,
                  vocab_size=32)
@@ -19,7 +20,8 @@ TINY = MoEConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=16, n_expert=4, top_k=
 
 def random_layer(config: MoEConfig, seed: int = 0) -> MoEFeedForward:
     torch.manual_seed(seed)
-    layer = MoEFeedForward(config)
+    layer = MoEFeedForward(config.n_embd, config.n_expert, config.top_k, config.expert_size,
+                           config.shared_expert_size, config.normalize_top_k, config.capacity_factor)
     for parameter in layer.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
     return layer

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.moe.network import MoEFeedForward
+from models.routed_experts import MoEFeedForward
 from tests.helpers import fit, fit_in_process, scalars
 from tests.test_pipeline import assert_trains_as_one_process_does, schedule
 

@@ -1,7 +1,7 @@
 """How evenly a mixture of experts' routers spread the tokens over the experts, and how many token choices they
 dropped, per optimizer step over every rank: in TensorBoard and in the run summary. The monitor
-(app/observability/monitor.py) keeps an ``ExpertLoad`` where the network has MoE layers (models/moe/network.py's
-MoEFeedForward); a family without experts logs none of this.
+(app/observability/monitor.py) keeps an ``ExpertLoad`` where the network has routed-expert layers
+(models/routed_experts.py's MoEFeedForward); a network without them logs none of this.
 
 Each MoE layer keeps what its last forward routed: the token choices per expert, before capacity drops any, and the
 dropped ones. After every training micro-batch they are added up on the device, into a (layers, experts) tensor, so
@@ -14,7 +14,7 @@ the same all-reduces: the logger's steps are counted alike on every rank, and a 
 agreed between them first.
 
 The all-reduce is over all ranks. Each rank fills the rows of the layers it holds (every layer, or under a pipeline its
-stages' layers, by their index in the network) and leaves the others zero, so the sum counts each layer once per
+stages' layers, by their place in the whole network) and leaves the others zero, so the sum counts each layer once per
 data-parallel rank. Tensor-parallel ranks of one data-parallel rank route the same tokens (their activations are
 replicated), so the sum counts each choice tensor_parallel_size times: it is divided by that. Under expert parallelism each
 rank still counts its own tokens' choices for all experts, before they travel to their experts' ranks.
@@ -39,11 +39,12 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from core.run_plan import RunPlan
-from models.moe.network import MoEFeedForward
 from models.parallel.parallelize import CHECKPOINT_WRAPPER_PREFIX
 from models.parallel.pipeline import TimedStage
+from models.routed_experts import MoEFeedForward
 
 IMBALANCE = "moe/imbalance"
 DROPPED_SHARE = "moe/dropped_share"
@@ -53,16 +54,17 @@ class ExpertLoad:
     """The token choices per expert and the dropped ones of the optimizer step under way, summed on the device over
     its micro-batches, and what the logged steps held, for the run summary."""
 
-    def __init__(self, layers: dict[int, MoEFeedForward], tensor_parallel_size: int,
+    def __init__(self, layers: dict[int, MoEFeedForward], network_layers: int, tensor_parallel_size: int,
                  stages: list[TimedStage] | None = None) -> None:
-        """``layers``: the MoE layers this rank holds, by their index among the network's layers (all of them but
-        under a pipeline); ``stages``: the pipeline stages this rank runs, if any, whose forwards are counted."""
+        """``layers``: the MoE layers this rank holds, by their place among the ``network_layers`` of the whole
+        network (all of them but under a pipeline); ``stages``: the pipeline stages this rank runs, if any, whose
+        forwards are counted."""
         self.layers = layers
         self.tensor_parallel_size = tensor_parallel_size
-        config = next(iter(layers.values())).config
-        self.shape = (config.n_layer, config.n_expert)  # every layer of the network, on every rank
+        some = next(iter(layers.values()))
+        self.shape = (network_layers, some.router.weight.shape[0])  # every layer of the network, on every rank
         # whether a layer may drop choices: then each layer's dropped share is logged and charted too
-        self.drops = config.capacity_factor is not None
+        self.drops = some.capacity_factor is not None
         self.chosen: torch.Tensor | None = None  # (layers, experts) this step's token choices so far
         self.dropped: torch.Tensor | None = None  # (layers,) this step's dropped choices so far
         self.stages = stages
@@ -75,21 +77,22 @@ class ExpertLoad:
     def of(cls, pl_module: L.LightningModule, plan: RunPlan) -> ExpertLoad | None:
         """The statistics of the module's MoE layers; None for a network without any."""
         network = getattr(pl_module, "model", None) or pl_module
-        layers = {layer_index(name): module for name, module in network.named_modules()
-                  if isinstance(module, MoEFeedForward)}
-        if not layers:
+        held = moe_layer_names(network)
+        if not held:
             return None
+        with torch.device("meta"):  # the whole network's layers, in order: a pipeline rank holds only its stages'
+            everywhere = list(moe_layer_names(pl_module.plain_network()))
         pipeline = getattr(pl_module, "pipeline", None)
-        return cls(layers, plan.tensor_parallel_size, pipeline.stages if pipeline is not None else None)
+        return cls({everywhere.index(name): layer for name, layer in held.items()}, len(everywhere),
+                   plan.tensor_parallel_size, pipeline.stages if pipeline is not None else None)
 
     def _count_stage_forward(self, stage: TimedStage, run: Callable[..., torch.Tensor], *inputs: Any) -> torch.Tensor:
         """A pipeline stage's forward; of a pipeline micro-batch in training (not of evaluation, nor of torch's
         metadata inference, on uninitialised inputs), its layers' counts are added."""
         outputs = run(*inputs)
-        indices = [layer_index(name) for name, module in stage.submod.named_modules()
-                   if isinstance(module, MoEFeedForward)]
-        if indices and stage.forwarding_chunk and torch.is_grad_enabled():
-            self._add(indices)
+        if stage.forwarding_chunk and torch.is_grad_enabled():
+            mine = {id(layer) for layer in moe_layer_names(stage.submod).values()}
+            self._add(index for index, layer in self.layers.items() if id(layer) in mine)
         return outputs
 
     def _add(self, indices: Any) -> None:
@@ -168,7 +171,8 @@ def step_statistics(chosen: torch.Tensor, dropped: torch.Tensor, per_layer_drops
     return metrics
 
 
-def layer_index(name: str) -> int:
-    """The index of the layer a module's name lies in: ``layers.3.mlp`` (or its checkpoint-wrapped name) -> 3."""
-    parts = name.replace(CHECKPOINT_WRAPPER_PREFIX, "").split(".")
-    return int(parts[parts.index("layers") + 1])
+def moe_layer_names(network: nn.Module) -> dict[str, MoEFeedForward]:
+    """The network's routed-expert layers by name, without activation checkpointing's wrapper in it (a pipeline
+    stage's names are the whole network's)."""
+    return {name.replace(CHECKPOINT_WRAPPER_PREFIX, ""): module for name, module in network.named_modules()
+            if isinstance(module, MoEFeedForward)}

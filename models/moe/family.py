@@ -21,10 +21,11 @@ from core.tokens import IGNORE_INDEX
 from models.causal_language_model import CausalLanguageModel
 from models.llama.family import LLAMA_PIPELINE_SPLIT
 from models.moe.huggingface import MOE_HUGGING_FACE
-from models.moe.network import MoE, MoEConfig, MoEFeedForward, moe_config, moe_parameter_counts, moe_training_flops_per_token
+from models.moe.network import MoE, MoEConfig, moe_config, moe_parameter_counts, moe_training_flops_per_token
 from models.optimizer import OptimizerSettings
 from models.parallel.parallelize import TensorParallelPlan
 from models.parallel.pipeline import PipelineSplit
+from models.routed_experts import moe_layers
 
 MOE_TENSOR_PARALLEL_PLAN: TensorParallelPlan = {
     "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
@@ -142,8 +143,3 @@ class MoELanguageModel(CausalLanguageModel):
 
     def batch_loss(self, network: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return self.batch_metrics(network, batch)[0]
-
-
-def moe_layers(network: nn.Module) -> list[MoEFeedForward]:
-    """The network's MoE feed-forward layers, in order, however it is wrapped (FSDP2, activation checkpointing)."""
-    return [module for module in network.modules() if isinstance(module, MoEFeedForward)]

@@ -1,5 +1,5 @@
 """Expert parallelism (EP), applied from outside the model as torchtitan's ExpertParallel does: each MoE layer's
-stacked expert weights (models/moe/network.py ``Experts``) are split along their first dimension, the experts, over
+stacked expert weights (models/routed_experts.py ``Experts``) are split along their first dimension, the experts, over
 ``expert_parallel_size`` of the data-parallel ranks, and the layer's forward exchanges the routed tokens with the
 ranks that hold their experts.
 
@@ -39,7 +39,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from models.moe.network import Experts, expert_outputs
+from models.routed_experts import Experts, expert_outputs
 
 EXPERT_PLACEMENTS = (Replicate(), Shard(0))  # over (expert_replicate, expert_parallel)
 
