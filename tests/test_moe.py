@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from models.moe.family import MoELanguageModel, moe_layers
-from models.moe.network import MOE_CONFIGS, MoE, MoEConfig, MoEFeedForward, moe_parameter_counts
+from models.moe.network import MOE_CONFIGS, MoE, MoEConfig, MoEFeedForward, moe_config, moe_parameter_counts
 
 TINY = MoEConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=16, n_expert=4, top_k=2, expert_size=8, block_size=16,
                  vocab_size=32)
@@ -136,5 +136,6 @@ def test_the_model_line_gives_total_and_active_parameters() -> None:
 
 
 def test_a_capacity_factor_that_is_not_positive_is_refused() -> None:
+    """By the network's config; the family says it in one line first (tests/test_families.py)."""
     with pytest.raises(ValueError, match="capacity_factor=0 must be positive"):
-        MoELanguageModel("debug", capacity_factor=0)
+        moe_config("debug", capacity_factor=0)
