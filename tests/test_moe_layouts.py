@@ -1,7 +1,8 @@
 """The mixture-of-experts family under the layouts it trains in without expert parallelism: replicated (DDP), sharded
 per block (FSDP2, also with its activations recomputed in backward and 2 micro-batches per step on each rank) and
-split by its tensor-parallel plan (attention; the routed experts whole on each rank), each as one process trains; and
-a sharded run killed mid-step resumes bitwise.
+split by its tensor-parallel plan (attention; the routed experts whole on each rank), each as one process trains,
+dropping the same choices beyond each expert's capacity per sequence; and a sharded run killed mid-step resumes
+bitwise.
 
 Routing is discrete: a token whose k-th and (k+1)-th router probabilities swapped between two runs would go to
 another expert, and the runs' outputs would differ by a whole expert's output, not by rounding. So beside the losses,
@@ -13,10 +14,11 @@ between a chosen and an unchosen expert moved by at most 2d, so the chosen ones 
 the runs compute the same function, and differ only in the order of sums, which is what
 assert_comparable_runs_agree's tolerances are derived for. The margin test excludes ties too: at an exact tie topk's
 order, not the probabilities, picks. Measured (2 CPU cores, 2026-12-06): the reference run's smallest margin is
-2.2e-6 over its 12,288 routings; the largest differences are 0 (DDP: bitwise), 6.0e-8 (FSDP2, also checkpointed) and
-1.5e-7 (tensor parallel). The margin is the seed's luck, not a property of the family: a router of the debug size at
-initialisation spreads its 4 probabilities over about 0.02, so among 12,288 routings the closest pair is about 0.02 /
-12,288 = 1.6e-6 apart (of seeds 1 to 16, with the sanity check's routings counted too, one gave an exact tie and 8 a
+3.1e-6 over its 12,288 routings (6,311 of their 24,576 choices beyond the capacity, dropped); the largest differences
+are 0 (DDP: bitwise) and 6.0e-8 (FSDP2, also checkpointed, and tensor parallel; 1.5e-7 without a capacity). The
+margin is the seed's luck, not a property of the family: a router of the debug size at initialisation spreads its 4
+probabilities over about 0.02, so among 12,288 routings the closest pair is about 0.02 / 12,288 = 1.6e-6 apart (of
+seeds 1 to 16, without a capacity and with the sanity check's routings counted too, one gave an exact tie and 8 a
 margin under 1e-6), hence it is measured, not assumed.
 """
 
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 
 from models.moe.family import moe_layers
-from models.moe.network import MOE_CONFIGS, MoEFeedForward
+from models.moe.network import MoEFeedForward, moe_config
 from tests.helpers import (
     CONFIG_DIR, DDP_2, MODEL_PARALLEL, TENSOR_PARALLEL, assert_comparable_runs_agree,
     assert_sharded_resume_after_sigkill_is_bitwise_exact, fit, fit_in_process,
@@ -43,6 +45,9 @@ from tests.helpers import (
 pytestmark = pytest.mark.slow
 
 MOE = ["-c", str(CONFIG_DIR / "moe-small/pretrain.yaml"), "--model.max_new_tokens", "0"]
+# each expert takes at most ceil(1.0 x 64 tokens x 2 choices / 4 experts) = 32 choices of a sequence: a router at
+# initialisation, near even, sends more than that to some expert in some sequences, whose choices beyond are dropped
+DEBUG_WITH_CAPACITY = moe_config("debug", capacity_factor=1.0)
 
 
 class RoutingRecord(Callback):
@@ -107,20 +112,31 @@ def smallest_margin(probabilities: dict[str, torch.Tensor], top_k: int) -> float
                for top in (row.topk(top_k + 1, dim=-1).values for row in probabilities.values()))
 
 
+def dropped_choices(probabilities: dict[str, torch.Tensor]) -> int:
+    """The choices beyond an expert's capacity in each sequence's routing by one layer, counted from its top k."""
+    config = DEBUG_WITH_CAPACITY
+    dropped = 0
+    for row in probabilities.values():  # (T, E)
+        routed = torch.bincount(row.topk(config.top_k, dim=-1).indices.flatten(), minlength=config.n_expert)
+        dropped += int((routed - config.capacity(row.shape[0])).clamp(min=0).sum())
+    return dropped
+
+
 def assert_routed_alike(one: Path, other: Path) -> None:
     """Every routing of ``one`` is in ``other`` and chose the same experts, by a margin that rounding cannot cross
     (the module's docstring)."""
     reference, compared = routing(one), routing(other)
     assert compared.keys() == reference.keys() and reference
     difference = max(float((compared[key] - reference[key]).abs().max()) for key in reference)
-    margin = smallest_margin(reference, MOE_CONFIGS["debug"].top_k)
+    margin = smallest_margin(reference, DEBUG_WITH_CAPACITY.top_k)
     assert margin > 2 * difference, (margin, difference)
 
 
 @pytest.fixture(scope="module")
 def moe_run(comparable_run_args: list[str]) -> list[str]:
-    """COMPARABLE_RUN's 4 clipped steps of the debug MoE, validated after each on the same 16 windows."""
-    return [*MOE, *comparable_run_args]
+    """COMPARABLE_RUN's 4 clipped steps of the debug MoE with a capacity, validated after each on the same 16
+    windows."""
+    return [*MOE, *comparable_run_args, "--model.capacity_factor", str(DEBUG_WITH_CAPACITY.capacity_factor)]
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +151,12 @@ def moe_one_process(tmp_path_factory: pytest.TempPathFactory, moe_run: list[str]
 ], ids=["ddp", "fsdp2", "tensor-parallel", "fsdp2-checkpointed-accumulating"])
 def test_the_mixture_of_experts_trains_under_every_layout_as_one_process_does(
         tmp_path: Path, moe_run: list[str], moe_one_process: Path, layout: list[str]) -> None:
-    """The same routing of every token at every step (RoutingRecord), hence the same validation loss and clipped
-    gradient norm at every step and the same weights (within the Adam bound) as one process: the capacity and the
-    balance loss are per sequence, so the ranks' shares of the batch change neither. The balance loss is computed
-    inside the blocks that FSDP2 shards and activation checkpointing recomputes, and reaches the gradients alike."""
+    """The same routing of every token at every step (RoutingRecord), hence the same dropped choices, validation loss
+    and clipped gradient norm at every step and the same weights (within the Adam bound) as one process: the capacity
+    and the balance loss are per sequence, so the ranks' shares of the batch change neither. The balance loss is
+    computed inside the blocks that FSDP2 shards and activation checkpointing recomputes, and reaches the gradients
+    alike."""
+    assert dropped_choices(routing(moe_one_process)) > 0  # the capacity bites
     other = fit(tmp_path, moe_run, *layout, *record_routing(tmp_path))
     assert_routed_alike(moe_one_process, other)
     assert_comparable_runs_agree(moe_one_process, other)
