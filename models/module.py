@@ -33,6 +33,7 @@ from torchmetrics import MeanMetric, Metric
 from core.errors import UserError
 from core.run_plan import RunPlan, run_plan_of
 from core.seeding import DEFAULT_SEED
+from core.sizes import format_bytes
 from core.tokens import IGNORE_INDEX
 from models.class_paths import class_path_of, current_class_path
 from models.interchange import HuggingFaceAdapter, HuggingFaceFolder
@@ -115,7 +116,7 @@ class CohortModule(StepLoggedModule):
     def parameters_and_size(self) -> str:
         """``describe``'s end: the parameter count and what the weights take in float32."""
         parameters = self.num_parameters()
-        return f"{parameters:,} parameters ({parameters * 4 / 2**20:,.1f} MiB in float32)"
+        return f"{parameters:,} parameters ({format_bytes(parameters * 4)} in float32)"
 
     # ----- what a family may provide -----
     def tensor_parallel_plan(self) -> TensorParallelPlan | None:

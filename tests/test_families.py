@@ -28,6 +28,7 @@ from tests.helpers import (
 BERT = ["-c", str(CONFIG_DIR / "bert-small/pretrain.yaml")]
 PIPELINE = ["-c", str(CONFIG_DIR / "trainer/pipeline_cpu.yaml")]
 DIGITS = ["-c", str(CONFIG_DIR / "resnet-small/digits.yaml")]
+MOE = ["-c", str(CONFIG_DIR / "moe-small/pretrain.yaml")]
 
 
 def bert_run(byte_corpus: Path) -> list[str]:
@@ -257,9 +258,20 @@ def test_the_same_seed_reproduces_a_digits_run_and_a_resume_continues_it_bitwise
     ([*DIGITS, *MODEL_PARALLEL, "--trainer.strategy.init_args.data_parallel_size", "1",
       "--trainer.strategy.init_args.tensor_parallel_size", "2"], "ImageClassifier has no tensor-parallel plan"),
     ([*DIGITS, "--data.data_dir", "no_such_folder"], "no_such_folder"),
+    ([*MOE, "--model.capacity_factor", "0"], "model.capacity_factor=0.0 must be > 0, or null to drop no choice"),
+    ([*MOE, "--model.capacity_factor", "-1.25"], "model.capacity_factor=-1.25 must be > 0"),
+    ([*MOE, "--model.load_balance_coefficient", "-0.01"], "model.load_balance_coefficient=-0.01 must be >= 0"),
+    ([*MOE, "--model.model_name", "mixtral-8x22b"],
+     "unknown model.model_name 'mixtral-8x22b': choose one of debug, debug-qwen3, small, mixtral-8x7b, qwen3-30b-a3b"),
+    ([*MOE, *MODEL_PARALLEL, "--trainer.devices", "3", "--trainer.strategy.init_args.data_parallel_size", "1",
+      "--trainer.strategy.init_args.tensor_parallel_size", "3"],
+     "tensor_parallel_size=3 does not divide the model's 4 attention heads: choose a size that does (model 'small')"),
+    ([*MOE, *MODEL_PARALLEL, "--trainer.devices", "4", "--trainer.strategy.init_args.data_parallel_size", "1",
+      "--trainer.strategy.init_args.tensor_parallel_size", "4"], "tensor_parallel_size=4 does not divide the model's 2"),
 ], ids=["special-token-outside", "special-token-missing", "mask-probability", "bert-size", "bert-positions", "resnet-size", "resnet-pipeline",
         "resnet-tensor-parallel",
-        "image-folder"])
+        "image-folder", "moe-capacity-zero", "moe-capacity-negative", "moe-balance-negative", "moe-size",
+        "moe-tensor-parallel-heads", "moe-tensor-parallel-key-value-heads"])
 def test_a_family_setting_that_cannot_work_is_one_line(flags: list[str], expected: str, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

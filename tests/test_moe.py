@@ -1,18 +1,23 @@
 """The mixture-of-experts family (models/moe/network.py, models/moe/family.py): its named sizes are the published
 ones, the router and experts compute what the architecture says token by token, capacity drops the choices it
-should, the balance loss is Switch Transformer's, and torch's FLOP count is the family's formula."""
+should, the balance loss is Switch Transformer's, torch's FLOP count is the family's formula, and the doctor sizes
+Mixtral on 8 GPUs. It trains under every layout as one process does in tests/test_moe_layouts.py."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from app.tools.doctor import main as doctor
 from models.moe.family import MoELanguageModel
-from models.moe.network import MOE_CONFIGS, MoE, MoEConfig, moe_parameter_counts
+from models.moe.network import MOE_CONFIGS, MoE, MoEConfig, moe_config, moe_parameter_counts
 from models.routed_experts import MoEFeedForward, moe_layers
+from tests.helpers import CONFIG_DIR, process_state_kept
 
 TINY = MoEConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=16, n_expert=4, top_k=2, expert_size=8, block_size=16,
                  vocab_size=32)
@@ -138,5 +143,33 @@ def test_the_model_line_gives_total_and_active_parameters() -> None:
 
 
 def test_a_capacity_factor_that_is_not_positive_is_refused() -> None:
+    """By the network's config; the family says it in one line first (tests/test_families.py)."""
     with pytest.raises(ValueError, match="capacity_factor=0 must be positive"):
-        MoELanguageModel("debug", capacity_factor=0)
+        moe_config("debug", capacity_factor=0)
+
+
+def test_the_doctor_answers_whether_mixtral_fits_8_gpus_of_80_gb_under_fsdp2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mixtral 8x7B on 8 GPUs of 80 GB, FSDP2 (model_parallel_gpu_bf16), activation checkpointing, 4,096 tokens per
+    sample: it does not fit. By hand: bf16-mixed keeps float32 weights, so weights, gradients and AdamW's two moments
+    are 16 bytes per parameter, 46,702,792,704 x 16 / 8 = 87.0 GiB per GPU before any activation. On 16 GPUs, which
+    the doctor advises, those are 43.5 GiB, plus 10.1 of activations (measured on the meta device, where the experts
+    share the tokens evenly: without a capacity every choice is computed, whatever expert takes it), 11.3 of gathered
+    FSDP units (the 262,148,096 parameters outside the blocks and the running and the prefetched block of
+    1,451,270,144 in bfloat16, one block's float32 gradients: 0.5 + 5.4 + 5.4), the CUDA context's 1.0 and a tenth of
+    all but it for fragmentation: 72.3 GiB, which fits. The model line counts all and active parameters. This machine
+    has no GPU and the recipe's embedded data is byte-level, so the doctor fails those checks; the memory line is the
+    point."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit), process_state_kept():
+        doctor(["-c", str(CONFIG_DIR / "moe-small/pretrain.yaml"), "-c",
+                str(CONFIG_DIR / "trainer/model_parallel_gpu_bf16.yaml"), "--model.model_name", "mixtral-8x7b",
+                "--model.activation_checkpointing", "true", "--data.vocab_size", "32000", "--data.sequence_length",
+                "4096", "--data.global_batch_size", "8", "--data.micro_batch_size", "1", "--device_memory", "80GiB"])
+    output = capsys.readouterr().out
+    assert "46,702,792,704 parameters (174.0 GiB in float32), 12,879,925,248 active per token" in output
+    line = next(line for line in output.splitlines() if " memory " in line)
+    needed = float(re.search(r"needs ([0-9.]+) GiB", line).group(1))
+    assert line.startswith("FAIL") and needed > 46_702_792_704 * 16 / 8 / 2**30, line
+    on_16 = float(re.search(r"FSDP over 16 data-parallel ranks \(([0-9.]+) GiB, fits\)", line).group(1))
+    assert 46_702_792_704 * 16 / 16 / 2**30 < on_16 < 80, line

@@ -5,10 +5,11 @@
 
 Checks: the pre-flight checks ``cohort fit`` runs (app/cli/preflight.py: the launcher's process count against
 trainer.devices x trainer.num_nodes, the precision on this device, the run plan's sizes and batch arithmetic, a
-checkpoint to resume, writable folders), each reported rather than stopping at the first; then the doctor's own
-probes: every rank reaching a barrier within a timeout, all-reduce bandwidth, the DataLoader's speed against the
-model's step, room for checkpoints on the disks, addresses that other nodes cannot reach. Prints pass / warn / fail
-(and skip, with the reason) with advice and exits non-zero when anything fails.
+checkpoint to resume, writable folders), each reported rather than stopping at the first; the model's line (size and
+parameters, a mixture of experts' active ones too) and its memory estimate; then the doctor's own probes: every rank
+reaching a barrier within a timeout, all-reduce bandwidth, the DataLoader's speed against the model's step, room for
+checkpoints on the disks, addresses that other nodes cannot reach. Prints pass / warn / fail (and skip, with the
+reason) with advice and exits non-zero when anything fails.
 
 A GPU job can be checked from a machine without one (a GPU preset, or --device_memory): the precision and the
 memory are judged for the GPU, and the DataLoader is timed without the model's compute, which only that GPU can
@@ -294,6 +295,8 @@ def main(argv: list[str]) -> None:
             checks.append(check_bandwidth(device))
     data, model, problems = instantiate_family(config)
     checks += problems
+    if model is not None:  # the family's line of a run's start: size, parameters (a mixture of experts': active too)
+        checks.append(Check("model", "pass", model.describe()))
     if model is None or preflight.plan is None:
         unknown = "the model" if model is None else "the run plan's sizes"
         checks.append(Check("memory", "skip", f"not estimated: {unknown} could not be resolved (see above)"))

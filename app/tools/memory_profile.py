@@ -16,6 +16,7 @@ get theirs cast up, and a parameter's cast is made once per step and kept, as au
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -88,27 +89,36 @@ def storage_bytes(tensor: torch.Tensor) -> int:
 
 class LiveTensors(TorchDispatchMode):
     """Follows the storage of every tensor an op creates from birth (op index) to death (first op index at which
-    it is gone), so that the bytes alive at each op can be added up afterwards."""
+    it is gone), so that the bytes alive at each op can be added up afterwards. A finalizer on each storage notes
+    its death as it happens (torch keeps a storage's Python object as long as the storage lives), where polling
+    every live storage at every op took minutes for a network of tens of thousands of ops (Mixtral's)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.op_index = 0
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage key -> (reference, entry index)
+        self.live: dict[int, tuple[weakref.finalize, int]] = {}  # storage key -> (its finalizer, entry index)
         self.entries: list[list[int]] = []  # [key, bytes, born, died]; died = -1 while alive
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         output = func(*args, **(kwargs or {}))
         self.op_index += 1
-        for key, (reference, entry) in list(self.live.items()):  # before adding: a freed address may be reused
-            if reference.expired():
-                self.entries[entry][3] = self.op_index
-                del self.live[key]
         for tensor in tree_leaves(output):
             if isinstance(tensor, torch.Tensor) and storage_key(tensor) not in self.live:
                 storage = tensor.untyped_storage()
-                self.live[storage_key(tensor)] = (StorageWeakRef(storage), len(self.entries))
-                self.entries.append([storage_key(tensor), storage.nbytes(), self.op_index, -1])
+                key = storage_key(tensor)
+                self.live[key] = (weakref.finalize(storage, self.died, key), len(self.entries))
+                self.entries.append([key, storage.nbytes(), self.op_index, -1])
         return output
+
+    def died(self, key: int) -> None:
+        """A storage freed since the last op: gone from the next op on (a freed address may be reused by it)."""
+        _, entry = self.live.pop(key)
+        self.entries[entry][3] = self.op_index + 1
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for finalizer, _ in self.live.values():  # what is freed after the step was alive until its end
+            finalizer.detach()
+        super().__exit__(*exc_info)
 
     def peak_bytes(self, excluded: set[int]) -> int:
         """The most bytes alive at once, leaving out the storages in ``excluded`` (keys of tensors alive at the end)."""

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from jsonargparse import Namespace
 
-from core.errors import UserError
+from core.errors import UserError, check_ranges
 from core.run_plan import RunPlan
 from core.seeding import DEFAULT_SEED
 from core.tokens import IGNORE_INDEX
@@ -76,6 +76,10 @@ class MoELanguageModel(CausalLanguageModel):
             seed: the initial weights and generation's sampling follow from it; the CLI links it to seed_everything.
         """
         super().__init__(optimizer, max_new_tokens, temperature, top_k)
+        check_ranges("model", {
+            "capacity_factor": (capacity_factor is None or capacity_factor > 0, "> 0, or null to drop no choice"),
+            "load_balance_coefficient": (load_balance_coefficient is None or load_balance_coefficient >= 0, ">= 0"),
+        }, locals())
         self.save_hyperparameters()
         self.config = moe_config(model_name, vocab_size=vocab_size, capacity_factor=capacity_factor,
                                  load_balance_coefficient=load_balance_coefficient)
