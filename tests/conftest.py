@@ -13,7 +13,8 @@ from tests.helpers import COMPARABLE_RUN, DDP_2, batch_sizes, fit, fit_in_proces
 # minutes while the other had nothing left to do.
 LONGEST_FIRST = ("test_slurm.py", "test_launch.py", "test_fault_tolerance.py", "test_families.py", "test_pipeline.py",
                  "test_parallelize.py", "test_pretrained.py", "test_precision.py", "test_parameter_server.py",
-                 "test_moe_layouts.py", "test_expert_parallel.py", "test_moe_pipeline.py", "test_disk_full.py", "test_hybrid_sharding.py", "test_load_from_checkpoint.py")
+                 "test_moe_layouts.py", "test_expert_parallel.py", "test_moe_pipeline.py", "test_disk_full.py",
+                 "test_hybrid_sharding.py", "test_load_from_checkpoint.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
