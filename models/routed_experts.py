@@ -133,10 +133,15 @@ class MoEFeedForward(nn.Module):
         None with no capacity."""
         if self.capacity_factor is None:
             return None
-        capacity = math.ceil(self.capacity_factor * sequence_length * self.top_k / n_expert)
+        capacity = expert_capacity(self.capacity_factor, sequence_length, self.top_k, n_expert)
         one_hot = F.one_hot(choices, n_expert)  # (B, T x k, E)
         place = (one_hot.cumsum(dim=1) * one_hot).sum(dim=-1) - 1  # 0 for an expert's first choice in the sequence
         return place < capacity
+
+
+def expert_capacity(capacity_factor: float, sequence_length: int, top_k: int, n_expert: int) -> int:
+    """Token choices an expert takes of each sequence: ``capacity_factor`` times an even share of its choices."""
+    return math.ceil(capacity_factor * sequence_length * top_k / n_expert)
 
 
 def moe_layers(network: nn.Module) -> list[MoEFeedForward]:

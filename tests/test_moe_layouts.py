@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 
-from models.routed_experts import MoEFeedForward, moe_layers
+from models.routed_experts import MoEFeedForward, expert_capacity, moe_layers
 from models.moe.network import moe_config
 from tests.helpers import (
     CONFIG_DIR, DDP_2, MODEL_PARALLEL, TENSOR_PARALLEL, assert_comparable_runs_agree,
@@ -118,7 +118,8 @@ def dropped_choices(probabilities: dict[str, torch.Tensor]) -> int:
     dropped = 0
     for row in probabilities.values():  # (T, E)
         routed = torch.bincount(row.topk(config.top_k, dim=-1).indices.flatten(), minlength=config.n_expert)
-        dropped += int((routed - config.capacity(row.shape[0])).clamp(min=0).sum())
+        capacity = expert_capacity(config.capacity_factor, row.shape[0], config.top_k, config.n_expert)
+        dropped += int((routed - capacity).clamp(min=0).sum())
     return dropped
 
 
