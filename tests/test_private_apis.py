@@ -14,7 +14,7 @@ from lightning.fabric.utilities import load
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from torch.distributed import _serialization, distributed_c10d
+from torch.distributed import _functional_collectives, _serialization, distributed_c10d
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
@@ -41,7 +41,10 @@ PRIVATE_METHODS = [
     (distributed_c10d, "_set_pg_timeout", "tests/helpers.py StopRank: a short collective timeout once started"),
     # undocumented, though not underscored: the methods torch's schedules call on a stage, which models/parallel/pipeline.py's
     # TimedStage overrides (a rename would leave the bubble unmeasured, or a V's middle rank raising under eval())
-    (PipelineStage, "forward_one_chunk", "TimedStage: a chunk's forward counts as busy"),
+    (PipelineStage, "forward_one_chunk", "TimedStage: a chunk's forward counts as busy, and only its forwards (not "
+     "torch's metadata inference on uninitialised tensors) add a stage's auxiliary loss and routing counts"),
+    (_functional_collectives, "all_to_all_single_autograd",
+     "models/parallel/expert_parallel.py: the routed tokens' exchange, whose backward sends the gradients back"),
     (PipelineStage, "backward_one_chunk", "TimedStage: a chunk's backward (input gradients) counts as busy"),
     (PipelineStage, "backward_weight_one_chunk", "TimedStage: the zero-bubble weight-gradient half counts as busy"),
     (PipelineStage, "get_local_bwd_output", "TimedStage: nothing to hand the adjacent stage under eval()"),
