@@ -71,7 +71,7 @@ def measure_recipe(name: str, arguments: list[str], micro_batch_sizes: list[int]
     with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as folder:
         for _ in range(rounds):  # in turns, so that a busy spell of the machine falls on every layout alike
             for index in chosen:
-                            run_dir = run_fit([*absolute(arguments), *absolute(runs[index])], steps, Path(folder))
+                run_dir = run_fit([*absolute(arguments), *absolute(runs[index])], steps, Path(folder))
                 times[index].append(measured_step_seconds(run_dir))
                 prediction = ranking.ranked[index]
                 parts = {name: statistics.median(scalars(run_dir, f"monitor/{name}/max")[WARMUP_STEPS:])
