@@ -5,13 +5,15 @@ probes are replaced by stated constants, so that nothing here depends on this ma
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from jsonargparse import Namespace
 
-from app.tools import plan
-from app.tools.cost_model import DeviceSpeed, Layout, Link, Links, ModelFacts, predict
+from app.tools import plan, plan_trials
+from app.tools.cost_model import DeviceSpeed, Layout, Link, Links, ModelFacts, Overhead, fastest_first, predict
 from app.tools.layouts import divisors, enumerate_layouts, splits
 from tests.helpers import QUICKSTART, one_line_error
 
@@ -82,6 +84,49 @@ def test_the_cost_model_on_a_case_worked_by_hand() -> None:
     assert checkpointed.parts["compute"] == pytest.approx(2 * (16 * 1e9 * 4 / 3 / 2 / 1e10 + 1e-3 * 4 / 3))
     # 6 all-reduces of 16 samples' block input per block with checkpointing, 2 blocks
     assert checkpointed.parts["tensor-parallel comm"] == pytest.approx(2 * 2 * (12 * 1e-4 + 16000 / 2e9))
+
+
+def test_calibration_fits_each_strategy_a_time_per_step_and_per_call_from_two_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each strategy runs its fastest layout at the recipe's micro batch without checkpointing and the same at half
+    the micro batch; the time beyond the model is fitted as a line in the calls per step, which every layout of the
+    strategy is given (a third more per call with checkpointing), shown as ``unmodelled``."""
+    facts = ModelFacts(flops_per_sample=1e9, parameters=10**6, blocks=2, parameter_bytes=4, compute_bytes=4,
+                       block_input_bytes_per_sample=1000, samples_per_step=32, units_per_sample=64)
+    layouts = [Layout("ddp", 2, 1, 1, 16, 1), Layout("ddp", 2, 1, 1, 8, 2), Layout("fsdp", 2, 1, 1, 16, 1, True),
+               Layout("fsdp", 2, 1, 1, 16, 1), Layout("fsdp", 2, 1, 1, 8, 2), Layout("fsdp", 2, 1, 1, 4, 4)]
+    ranked = fastest_first(predict(layout, facts, SPEED, LINKS, 0.0, 0) for layout in layouts)
+    modelled = {prediction.layout: prediction.step_seconds for prediction in ranked}
+    # beyond the model: DDP 1 s a step + 2 s a call; FSDP2 3 s a call
+    beyond = {layouts[0]: 3.0, layouts[1]: 5.0, layouts[3]: 3.0, layouts[4]: 6.0}
+    ran = []
+
+    def run_fit(arguments: list[str], steps: int, folder: object) -> Layout:
+        ran.append(arguments[-1])
+        return next(layout for layout in layouts if layout.describe() == arguments[-1])
+
+    monkeypatch.setattr(plan_trials, "run_fit", run_fit)
+    monkeypatch.setattr(plan_trials, "measured_step_seconds", lambda layout: modelled[layout] + beyond[layout])
+    scaled, calibrations = plan_trials.calibrate([], ranked, [[prediction.layout.describe()] for prediction in ranked],
+                                                 16, 6)
+    assert sorted(ran) == sorted(layout.describe() for layout in beyond)
+    overheads = {calibration.strategy: calibration.overhead for calibration in calibrations}
+    assert overheads["ddp"].per_step == pytest.approx(1.0) and overheads["ddp"].per_call == pytest.approx(2.0)
+    assert overheads["fsdp"].per_step == pytest.approx(0.0, abs=1e-9) and overheads["fsdp"].per_call == pytest.approx(3.0)
+    unmodelled = {prediction.layout: prediction.parts["unmodelled"] for prediction in scaled}
+    assert unmodelled[layouts[2]] == pytest.approx(3.0 * 4 / 3) and unmodelled[layouts[5]] == pytest.approx(12.0)
+    assert all(prediction.step_seconds == pytest.approx(modelled[prediction.layout] + unmodelled[prediction.layout])
+               for prediction in scaled)
+    assert [prediction.step_seconds for prediction in scaled] == sorted(prediction.step_seconds for prediction in scaled)
+
+
+def test_an_overhead_the_noise_tilts_below_zero_keeps_its_terms_at_zero_or_more() -> None:
+    """Two runs whose extra time falls with more calls: a time per step alone (their mean); whose line would start
+    below zero: a time per call alone, fitted to both through the origin."""
+    assert Overhead.fitted([(1, 3.0), (2, 2.0)]) == Overhead(2.5, 0.0)
+    falling_start = Overhead.fitted([(1, 1.0), (2, 4.0)])
+    assert falling_start.per_step == 0.0 and falling_start.per_call == pytest.approx((1 + 8) / 5)
+    assert Overhead.fitted([(4, 2.0)]) == Overhead(0.0, 0.5)
 
 
 def test_only_layouts_that_fit_are_ranked_fastest_first(recipe_args: list[str], recipe: plan.Recipe) -> None:
@@ -195,14 +240,35 @@ def test_on_a_gpu_the_steps_reduction_hides_behind_the_last_backward_only() -> N
 
 
 def test_inputs_the_planner_cannot_use_get_one_line(recipe_args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bandwidth of nothing, --try with no step left to time after the warm-up, an A100 of unstated memory, a
-    recipe whose sequence exceeds the model's context (refused before the layouts are profiled)."""
+    """A bandwidth of nothing, --try with no step to time, an A100 of unstated memory, a
+    recipe whose sequence exceeds the model's context (refused before the layouts are profiled), runs asked of a
+    cluster that is not this machine."""
     cases = {
         ("--bandwidth", "0GB/s", "--latency", "10us"): "--bandwidth 0GB/s is no bandwidth",
-        ("--try", "1", "--steps", "2"): "--steps 2 must be more than the 2 warm-up steps",
+        ("--try", "1", "--steps", "0"): "--steps 0 must be at least 1",
         ("--gpu", "A100", "--bandwidth", "100GB/s", "--latency", "10us"): "--gpu A100 comes in more than one memory size",
         ("--data.sequence_length", "128"): "data.sequence_length=128 exceeds the block_size 64",
+        ("--nodes", "2", "--node_bandwidth", "1GB/s", "--node_latency", "1ms", "--calibrate"):
+            "--try and --calibrate run cohort fit on this machine",
     }
     for extra, expected in cases.items():
         line = one_line_error(["plan", *recipe_args, "--devices", "2", *extra], monkeypatch)
         assert expected in line, line
+
+
+@pytest.mark.slow
+def test_calibrate_and_try_run_cohort_fit_and_hold_the_layout_to_one_process(
+        recipe_args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """On one process, with the probes measuring this machine: --calibrate runs the one strategy there is (at the
+    recipe's micro batch and half of it), and --try
+    runs the top layout and the one-process reference for the same steps, whose gradient norms agree."""
+    monkeypatch.chdir(tmp_path)
+    plan.main([*recipe_args, "--devices", "1", "--calibrate", "--try", "1", "--steps", "2", "--top", "1"])
+    out = capsys.readouterr().out
+    run = r"one process, micro \d+ x \d+: [\d.]+ ms \(modelled [\d.]+\)"
+    assert re.search(rf"^unmodelled: measured here, two runs of each strategy \(4 steps, the last 2 timed\): {run}, "
+                     rf"{run}: [\d.]+ ms a step \+ [\d.]+ ms a forward and backward$", out, re.MULTILINE), out
+    assert re.search(r"^ 1  one process, micro \d+ x \d+ .* ms .* ms .* yes \(gradient norm per step", out,
+                     re.MULTILINE), out
+    assert "winner: #1 one process" in out

@@ -7,7 +7,8 @@ torch, ``CohortModule.flops_per_sample``) and R the device's throughput:
     compute     a x (b x F / (t x p) / R + o x calls) x (1 + 1/3 with activation checkpointing: the blocks'
                 forward again)                          o: fixed time of one forward and backward (launches, Python),
                                                         calls: m / p per micro batch under a pipeline of m, else 1
-    optimizer   local parameters x s                    s: AdamW's seconds per parameter (measured)
+    optimizer   local parameters x s                    s: seconds per parameter of the gradient norm and AdamW
+                                                        (measured)
     data par.   DDP: all-reduce of the gradients once per step; FSDP2: per micro batch an all-gather of the
                 parameters for forward and another for backward, and once per step a reduce-scatter of the
                 gradients (Cohort reduces once per step under accumulation, models/parallel/parallelize.py
@@ -32,6 +33,7 @@ what exceeds it); on a CPU gloo's threads compete for the same cores as the comp
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb: one all-reduce per bucket
@@ -66,6 +68,13 @@ class Layout:
     def shards(self) -> int:
         """Data-parallel ranks each parameter is sharded over: those of one replica; 1 where nothing is sharded."""
         return self.data_parallel // self.replicas if self.sharded else 1
+
+    @property
+    def calls(self) -> int:
+        """Forward and backward calls a rank makes per optimizer step: one per micro-batch, or under a pipeline one
+        per pipeline micro-batch and stage it holds."""
+        per_micro_batch = self.pipeline_microbatches * self.stages_per_rank if self.pipeline_parallel > 1 else 1
+        return self.accumulation * per_micro_batch
 
     def describe(self) -> str:
         """A short name for the table: ``FSDP2 dp2, micro 8 x 2, AC`` (micro batch x accumulation, checkpointing)."""
@@ -198,6 +207,50 @@ def predict(layout: Layout, model: ModelFacts, device: DeviceSpeed, links: Links
         parts["pipeline comm"] = a * sends * links.of_group(2, d * t).send(activation // layout.pipeline_microbatches)
         parts["bubble"] = compute * bubble_share / (1 - bubble_share)
     return Prediction(layout, memory_bytes, parts)
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """What a step of one strategy costs beyond the parts above, measured (``cohort plan --calibrate``): a fixed time
+    per optimizer step (the optimizer's and loop's own work, the logging) and per forward and backward call (the
+    loop's per micro-batch, the strategy's hooks, DTensor dispatch), a third more with activation checkpointing (the
+    forward again)."""
+
+    per_step: float
+    per_call: float
+
+    def of(self, layout: Layout) -> float:
+        recompute = CHECKPOINTING_EXTRA if layout.activation_checkpointing else 0.0
+        return self.per_step + self.per_call * layout.calls * (1 + recompute)
+
+    @classmethod
+    def fitted(cls, runs: Sequence[tuple[int, float]]) -> Overhead:
+        """From (calls per step, seconds beyond the model) of one or two runs without checkpointing: the line
+        through two runs of different calls; one run (or two of the same calls) gives the time per call alone. Where
+        the machine's noise tilts the line below zero at either end, that term is 0 and the other fits both runs."""
+        (calls, seconds), *others = runs
+        if not others or others[0][0] == calls:
+            return cls(0.0, sum(run[1] for run in runs) / len(runs) / calls)
+        other_calls, other_seconds = others[0]
+        per_call = (other_seconds - seconds) / (other_calls - calls)
+        per_step = seconds - per_call * calls
+        if per_call < 0:
+            return cls((seconds + other_seconds) / 2, 0.0)
+        if per_step < 0:
+            return cls(0.0, (seconds * calls + other_seconds * other_calls) / (calls**2 + other_calls**2))
+        return cls(per_step, per_call)
+
+
+def calibrated(prediction: Prediction, overhead: Overhead) -> Prediction:
+    """``prediction`` with one more part, ``unmodelled``: its strategy's measured ``overhead``, what the model does not
+    count."""
+    parts = {**prediction.parts, "unmodelled": overhead.of(prediction.layout)}
+    return Prediction(prediction.layout, prediction.memory_bytes, parts)
+
+
+def fastest_first(predictions: Iterable[Prediction]) -> list[Prediction]:
+    """By predicted step time; the smaller memory first among equals."""
+    return sorted(predictions, key=lambda prediction: (prediction.step_seconds, prediction.memory_bytes))
 
 
 def tokens_per_second(prediction: Prediction, model: ModelFacts) -> float:

@@ -20,19 +20,21 @@ import re
 import textwrap
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from jsonargparse import Namespace
 
 from app.cli.commands import describe
 from app.cli.run_plan_resolution import resolve_run_plan
-from app.tools.cost_model import DeviceSpeed, Link, Links, ModelFacts, Prediction, predict, tokens_per_second
+from app.tools.cost_model import (DeviceSpeed, Link, Links, ModelFacts, Prediction, fastest_first, predict,
+                                  tokens_per_second)
 from app.tools.doctor import DoctorCLI, instantiate_family
 from app.tools.layouts import Candidate, enumerate_layouts, fit_arguments
 from app.tools.memory import parse_memory_size, spread, visible_device_memory
 from app.tools.memory_profile import NetworkProfile, module_step_loss, profile_network
 from app.tools.plan_probes import probe_device, probe_link, stated_device
+from app.tools.plan_trials import Calibration, calibrate, try_layouts
 from core.errors import ArgumentParser, UserError
 from core.run_plan import RunPlan
 from core.sizes import format_bytes, parse_byte_size
@@ -78,7 +80,11 @@ def parser() -> ArgumentParser:
     parser.add_argument("--top", type=int, default=5, help="layouts printed (default 5)")
     parser.add_argument("--try", dest="trials", type=int, default=0,
                         help="run the best K for a few steps each (cohort fit) and compare measured with predicted")
-    parser.add_argument("--steps", type=int, default=6, help="optimizer steps of each --try run (default 6)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="scale each strategy's predictions by one short cohort fit of it here (what the model "
+                        "does not count: the loop, the hooks, dispatch)")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps each --try or --calibrate run times, "
+                        "after as many to warm up (default 20: fewer leave a busy spell of the machine in the time)")
     return parser
 
 
@@ -125,10 +131,9 @@ def memory_bytes(profile: NetworkProfile, candidate: Candidate, device_type: str
 def predictions(candidates: Sequence[Candidate], profile: NetworkProfile, facts: ModelFacts, device: DeviceSpeed,
                 links: Links, device_type: str) -> list[Prediction]:
     """Every candidate's prediction, fastest first (the smaller memory first among equals)."""
-    made = [predict(candidate.layout, facts, device, links,
-                    theoretical_bubble(candidate.plan) if candidate.layout.pipeline_parallel > 1 else 0.0,
-                    memory_bytes(profile, candidate, device_type)) for candidate in candidates]
-    return sorted(made, key=lambda prediction: (prediction.step_seconds, prediction.memory_bytes))
+    return fastest_first(predict(candidate.layout, facts, device, links,
+                                 theoretical_bubble(candidate.plan) if candidate.layout.pipeline_parallel > 1 else 0.0,
+                                 memory_bytes(profile, candidate, device_type)) for candidate in candidates)
 
 
 def smallest_memory(recipe: Recipe, profile: NetworkProfile, devices: int, nodes: int,
@@ -221,7 +226,7 @@ def format_table(ranked: Sequence[Prediction], facts: ModelFacts, commands: Sequ
     for place, (prediction, command) in enumerate(zip(ranked, commands), start=1):
         total = prediction.step_seconds
         shares = ", ".join(f"{name} {seconds / total:.0%}" for name, seconds in prediction.parts.items()
-                           if seconds / total >= 0.005)
+                           if abs(seconds) / total >= 0.005)
         lines.append(f"{place:>2}  {prediction.layout.describe():<{width}}  {format_bytes(prediction.memory_bytes):>10}"
                      f"  {total * 1e3:>7.1f} ms  {tokens_per_second(prediction, facts):>10,.0f}  {shares}")
         lines.append(f"    {command}")
@@ -240,6 +245,7 @@ class Ranking:
     speed: DeviceSpeed
     links: Links
     device_type: str
+    calibration: tuple[Calibration, ...] = ()  # what each --calibrate run measured; empty: not calibrated
 
     def communication_source(self) -> str:
         within, across = self.links.within_node, self.links.across_nodes
@@ -281,17 +287,24 @@ def fit_runs(ranking: Ranking, args: Namespace, count: int) -> list[list[str]]:
                           template.precision.name) for prediction in ranking.ranked[:count]]
 
 
+def calibrate_ranking(ranking: Ranking, args: Namespace, fit_args: list[str]) -> Ranking:
+    """The ranking with each strategy's layouts scaled by one short run of it here (app/tools/plan_trials.py)."""
+    ranked, runs = calibrate(fit_args, ranking.ranked, fit_runs(ranking, args, len(ranking.ranked)),
+                             ranking.recipe.template.micro_batch_size, args.steps)
+    return replace(ranking, ranked=ranked, calibration=tuple(runs))
+
+
 def main(argv: list[str]) -> None:
     args, fit_args = parser().parse_known_args(argv)
-    if args.devices < 1 or args.nodes < 1 or args.top < 1 or args.trials < 0:
-        raise UserError(f"cohort plan: --devices {args.devices}, --nodes {args.nodes} and --top {args.top} must be at "
-                        f"least 1, --try {args.trials} at least 0")
-    if args.trials:
-        from app.tools.plan_trials import WARMUP_STEPS, try_layouts  # runs cohort fit: only when asked
-        if args.steps <= WARMUP_STEPS:
-            raise UserError(f"cohort plan: --steps {args.steps} must be more than the {WARMUP_STEPS} warm-up steps a "
-                            "--try run does not time")
+    if min(args.devices, args.nodes, args.top, args.steps) < 1 or args.trials < 0:
+        raise UserError(f"cohort plan: --devices {args.devices}, --nodes {args.nodes}, --top {args.top} and --steps "
+                        f"{args.steps} must be at least 1, --try {args.trials} at least 0")
+    if (args.trials or args.calibrate) and (args.nodes > 1 or args.gpu is not None):
+        raise UserError("cohort plan: --try and --calibrate run cohort fit on this machine: plan for one node of its "
+                        "own devices (no --nodes, no --gpu), or run cohort plan on a node of the cluster")
     ranking = rank_layouts(args, fit_args)
+    if args.calibrate:
+        ranking = calibrate_ranking(ranking, args, fit_args)
     template, facts, ranked = ranking.recipe.template, ranking.facts, ranking.ranked
     runs = fit_runs(ranking, args, max(args.top, args.trials))
     print(f"cohort plan: {args.nodes} node(s) x {args.devices} device(s) ({ranking.device_type}), "
@@ -303,6 +316,11 @@ def main(argv: list[str]) -> None:
                else "not overlapped: the collectives' threads share the cores with the compute")
     print(f"compute: {ranking.speed.source}\ncommunication: {ranking.communication_source()}; {overlap}\n"
           "memory: cohort doctor's estimate (app/tools/memory.py)")
+    if ranking.calibration:
+        print(f"unmodelled: measured here, two runs of each strategy ({2 * args.steps} steps, the last {args.steps} "
+              f"timed): {'; '.join(calibration.describe() for calibration in ranking.calibration)}")
+    else:
+        print("unmodelled: the loop's, hooks' and dispatch's own cost is not counted: --calibrate measures it here")
     if args.trials:
         # sums taken in another order: float32 rounding (tests/helpers.py's bound); with a 16-bit compute dtype the
         # gradient norms of two layouts differ by a few bfloat16 rounding steps (2^-8 each) compounded over the

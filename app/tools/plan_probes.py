@@ -1,11 +1,12 @@
 """The measured constants of ``cohort plan``'s cost model (app/tools/cost_model.py), each a short probe on this
 machine, or stated ones for a GPU that is not here.
 
-- ``probe_device``: the model's own forward and backward timed at two micro batch sizes, on as many threads as each
-  of the job's processes on this node gets (Lightning gives each CPU process cores / processes): the slope is the
-  throughput on the counted FLOPs, the intercept the fixed time of a call. A square-matmul probe
+- ``probe_device``: the model's own forward and backward timed at two micro batch sizes (the median of 7 each), on as
+  many threads as each of the job's processes on this node gets (Lightning gives each CPU process cores / processes):
+  the slope is the throughput on the counted FLOPs, the intercept the fixed time of a call. A square-matmul probe
   (app/observability/flops.py measured_peak_tflops) is reported beside it: a small model's matmuls run far below it.
-  One AdamW step over the network's parameters gives the optimizer's seconds per parameter.
+  What fit does after a step's backward (the gradient norm and AdamW) gives the optimizer's seconds per
+  parameter.
 - ``probe_link``: all-reduces of 4 KiB and 4 MiB between ``processes`` local processes over gloo (NCCL on GPUs),
   timed as ``cohort comm`` times them, the fastest of 3 rounds: the small one is the latency, the difference the
   bandwidth.
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -52,19 +54,37 @@ def threads_per_process(processes_per_node: int) -> int:
     return max(1, (os.cpu_count() or 1) // processes_per_node)
 
 
-def time_step(model: CohortModule, network: torch.nn.Module, micro_batch_size: int, sequence_length: int,
-              device: torch.device, repeats: int = 5) -> float:
-    """The fastest of ``repeats`` forward and backward passes (after one to warm up): the least disturbed by others."""
-    batch = model.example_batch(micro_batch_size, sequence_length, device)
-    best = float("inf")
-    for repeat in range(repeats + 1):
+def median_seconds(work: Callable[[], object], device: torch.device, repeats: int = 7) -> float:
+    """The median time of ``repeats`` calls of ``work`` after one to warm up: a training step's typical time (the
+    fastest would be the least disturbed one, which a run of many steps does not keep to)."""
+    times = []
+    for _ in range(repeats + 1):
         start = time.perf_counter()
-        model.batch_loss(network, batch).backward()
+        work()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if repeat:
-            best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def time_step(model: CohortModule, network: torch.nn.Module, micro_batch_size: int, sequence_length: int,
+              device: torch.device) -> float:
+    """A forward and backward pass at ``micro_batch_size``."""
+    batch = model.example_batch(micro_batch_size, sequence_length, device)
+    return median_seconds(lambda: model.batch_loss(network, batch).backward(), device)
+
+
+def time_optimizer_step(network: torch.nn.Module, device: torch.device) -> float:
+    """What fit does after a step's last backward, on the gradients the probe's backward passes left: the global
+    gradient norm (logged, and clipped by the recipes) and AdamW's update (zero_grad sets them to None: no work)."""
+    optimizer = torch.optim.AdamW(network.parameters())
+
+    def step() -> None:
+        torch.nn.utils.clip_grad_norm_(network.parameters(), 1.0)
+        optimizer.step()
+
+    step()  # the moments are made here
+    return median_seconds(step, device, repeats=5)
 
 
 def probe_device(model: CohortModule, sequence_length: int, micro_batch_size: int, processes_per_node: int,
@@ -78,20 +98,14 @@ def probe_device(model: CohortModule, sequence_length: int, micro_batch_size: in
             network = model.plain_network()
         one, many = (time_step(model, network, size, sequence_length, device) for size in (1, larger))
         per_sample = max((many - one) / (larger - 1), 1e-9)
-        optimizer = torch.optim.AdamW(network.parameters())
-        optimizer.step()  # the moments are made here
-        optimizer_seconds = float("inf")
-        for _ in range(3):  # the fastest: the least disturbed by others
-            start = time.perf_counter()
-            optimizer.step()
-            optimizer_seconds = min(optimizer_seconds, time.perf_counter() - start)
+        optimizer_seconds = time_optimizer_step(network, device)
         matmul = measured_peak_tflops(device, torch.float32, seconds=0.1)
     parameters = sum(parameter.numel() for parameter in network.parameters())
     flops_per_second = flops_per_sample / per_sample
     source = (f"measured here: the model's forward and backward at micro batch 1 and {larger} "
               f"({one * 1e3:.1f} and {many * 1e3:.1f} ms), {flops_per_second / 1e9:.1f} GFLOP/s on the counted FLOPs "
               f"(a 512x512 matmul reaches {matmul * 1e3:.1f}), {max(0.0, one - per_sample) * 1e3:.2f} ms fixed per call; "
-              f"AdamW {optimizer_seconds * 1e3:.1f} ms for {parameters:,} parameters")
+              f"gradient norm and AdamW {optimizer_seconds * 1e3:.1f} ms for {parameters:,} parameters")
     if device.type == "cpu":
         source += f"; {threads_per_process(processes_per_node)} thread(s) per process"
     return DeviceSpeed(flops_per_second, max(0.0, one - per_sample), optimizer_seconds / parameters,
