@@ -68,8 +68,10 @@ class ExpertLoad:
         self.chosen: torch.Tensor | None = None  # (layers, experts) this step's token choices so far
         self.dropped: torch.Tensor | None = None  # (layers,) this step's dropped choices so far
         self.stages = stages
-        for stage in stages or []:  # the stage's forward wrapped, as the pipeline wraps it
-            stage.submod.forward = partial(self._count_stage_forward, stage, stage.submod.forward)
+        for stage in stages or []:  # the stage's forward wrapped, as the pipeline wraps it, counting its layers
+            held = {id(layer) for layer in moe_layer_names(stage.submod).values()}
+            indices = [index for index, layer in layers.items() if id(layer) in held]
+            stage.submod.forward = partial(self._count_stage_forward, stage, indices, stage.submod.forward)
         self.logged_imbalance: list[tuple[int, float]] = []  # (step, moe/imbalance) of each logged step
         self.logged_choices = self.logged_dropped = 0  # token choices and dropped ones of the logged steps
 
@@ -80,19 +82,21 @@ class ExpertLoad:
         held = moe_layer_names(network)
         if not held:
             return None
-        with torch.device("meta"):  # the whole network's layers, in order: a pipeline rank holds only its stages'
-            everywhere = list(moe_layer_names(pl_module.plain_network()))
         pipeline = getattr(pl_module, "pipeline", None)
+        everywhere = list(held)
+        if pipeline is not None:  # a pipeline rank holds only its stages' layers: the whole network's, in order
+            with torch.device("meta"):
+                everywhere = list(moe_layer_names(pl_module.plain_network()))
         return cls({everywhere.index(name): layer for name, layer in held.items()}, len(everywhere),
                    plan.tensor_parallel_size, pipeline.stages if pipeline is not None else None)
 
-    def _count_stage_forward(self, stage: TimedStage, run: Callable[..., torch.Tensor], *inputs: Any) -> torch.Tensor:
+    def _count_stage_forward(self, stage: TimedStage, indices: list[int], run: Callable[..., torch.Tensor],
+                             *inputs: Any) -> torch.Tensor:
         """A pipeline stage's forward; of a pipeline micro-batch in training (not of evaluation, nor of torch's
-        metadata inference, on uninitialised inputs), its layers' counts are added."""
+        metadata inference, on uninitialised inputs), the counts of its layers (at ``indices``) are added."""
         outputs = run(*inputs)
         if stage.forwarding_chunk and torch.is_grad_enabled():
-            mine = {id(layer) for layer in moe_layer_names(stage.submod).values()}
-            self._add(index for index, layer in self.layers.items() if id(layer) in mine)
+            self._add(indices)
         return outputs
 
     def _add(self, indices: Any) -> None:
