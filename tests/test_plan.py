@@ -122,11 +122,13 @@ def test_calibration_fits_each_strategy_a_time_per_step_and_per_call_from_two_ru
 
 def test_an_overhead_the_noise_tilts_below_zero_keeps_its_terms_at_zero_or_more() -> None:
     """Two runs whose extra time falls with more calls: a time per step alone (their mean); whose line would start
-    below zero: a time per call alone, fitted to both through the origin."""
-    assert Overhead.fitted([(1, 3.0), (2, 2.0)]) == Overhead(2.5, 0.0)
-    falling_start = Overhead.fitted([(1, 1.0), (2, 4.0)])
+    below zero: a time per call alone, fitted to both through the origin; one run: a time per call alone."""
+    one, two = Layout("ddp", 2, 1, 1, 16, 1), Layout("ddp", 2, 1, 1, 8, 2)  # 1 and 2 calls per step
+    assert Overhead.fitted([(one, 3.0), (two, 2.0)]) == Overhead(2.5, 0.0)
+    falling_start = Overhead.fitted([(one, 1.0), (two, 4.0)])
     assert falling_start.per_step == 0.0 and falling_start.per_call == pytest.approx((1 + 8) / 5)
-    assert Overhead.fitted([(4, 2.0)]) == Overhead(0.0, 0.5)
+    # one run, with checkpointing: 4 calls of a third more work each
+    assert Overhead.fitted([(Layout("ddp", 2, 1, 1, 4, 4, True), 2.0)]).per_call == pytest.approx(2.0 / (4 * 4 / 3))
 
 
 def test_only_layouts_that_fit_are_ranked_fastest_first(recipe_args: list[str], recipe: plan.Recipe) -> None:

@@ -28,7 +28,12 @@ tensor-parallel group is neighbouring ranks and a data-parallel one ranks t apar
 only where the device lets it: on a GPU DDP's and FSDP2's collectives run on their
 own stream, the step's gradient reduction behind the last micro-batch's backward only (two thirds of its compute:
 the earlier micro-batches reduce nothing) and FSDP2's all-gathers behind their own micro-batch's compute (exposed:
-what exceeds it); on a CPU gloo's threads compete for the same cores as the compute, so nothing is hidden. Where each constant came from travels with it (``source``)."""
+what exceeds it); on a CPU gloo's threads compete for the same cores as the compute, so nothing is hidden. Where
+each constant came from travels with it (``source``).
+
+What these parts leave out (Lightning's loop, a strategy's hooks and DTensor dispatch, the collectives' software
+cost) is most of a small model's step on a CPU and little of a large one's on a GPU. ``Overhead`` adds it as one
+more part, ``unmodelled``, fitted per strategy to two short runs (``cohort plan --calibrate``)."""
 
 from __future__ import annotations
 
@@ -220,17 +225,21 @@ class Overhead:
     per_call: float
 
     def of(self, layout: Layout) -> float:
-        recompute = CHECKPOINTING_EXTRA if layout.activation_checkpointing else 0.0
-        return self.per_step + self.per_call * layout.calls * (1 + recompute)
+        return self.per_step + self.per_call * self.weighted_calls(layout)
+
+    @staticmethod
+    def weighted_calls(layout: Layout) -> float:
+        return layout.calls * (1 + (CHECKPOINTING_EXTRA if layout.activation_checkpointing else 0.0))
 
     @classmethod
-    def fitted(cls, runs: Sequence[tuple[int, float]]) -> Overhead:
-        """From (calls per step, seconds beyond the model) of one or two runs without checkpointing: the line
-        through two runs of different calls; one run (or two of the same calls) gives the time per call alone. Where
-        the machine's noise tilts the line below zero at either end, that term is 0 and the other fits both runs."""
-        (calls, seconds), *others = runs
+    def fitted(cls, runs: Sequence[tuple[Layout, float]]) -> Overhead:
+        """From (layout, seconds beyond the model) of one or two runs: the line through two runs of different calls
+        per step; one run (or two of the same calls) gives the time per call alone. Where the machine's noise tilts
+        the line below zero at either end, that term is 0 and the other fits both runs."""
+        points = [(cls.weighted_calls(layout), seconds) for layout, seconds in runs]
+        (calls, seconds), *others = points
         if not others or others[0][0] == calls:
-            return cls(0.0, sum(run[1] for run in runs) / len(runs) / calls)
+            return cls(0.0, sum(seconds for _, seconds in points) / sum(calls for calls, _ in points))
         other_calls, other_seconds = others[0]
         per_call = (other_seconds - seconds) / (other_calls - calls)
         per_step = seconds - per_call * calls

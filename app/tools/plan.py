@@ -4,11 +4,13 @@ needs per device, where its time goes and the ``cohort fit`` arguments that run 
     cohort plan -c configs/quickstart.yaml --devices 2                       # 2 CPU processes on this machine
     cohort plan -c configs/gpt2/pretrain.yaml --nodes 2 --devices 8 --gpu H100 --bandwidth 100GB/s --latency 20us \
         --node_bandwidth 20GB/s --node_latency 40us
+    cohort plan -c configs/quickstart.yaml --devices 2 --calibrate           # with each strategy's measured overhead
     cohort plan -c configs/quickstart.yaml --devices 2 --try 3               # and run the best 3 for a few steps
 
 Layouts: app/tools/layouts.py (every split the run plan and the family accept). Memory per device: cohort doctor's
 estimate (app/tools/memory.py); layouts over ``--device_memory`` are dropped. Step time: app/tools/cost_model.py,
-from constants measured here by short probes or stated (app/tools/plan_probes.py); the output says which.
+from constants measured here by short probes or stated (app/tools/plan_probes.py); the output says which. With
+``--calibrate``, what two short runs of each strategy here take beyond the model is added (app/tools/plan_trials.py).
 """
 
 from __future__ import annotations

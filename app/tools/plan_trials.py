@@ -163,7 +163,7 @@ def calibrate(fit_args: Sequence[str], ranked: Sequence[Prediction], runs: Seque
                                        measured_step_seconds(run_fit([*absolute(fit_args), *absolute(runs[place])],
                                                                      steps, Path(folder))),
                                        ranked[place].step_seconds) for place in places]
-            overhead = Overhead.fitted([(run.layout.calls, run.measured - run.modelled) for run in measured])
+            overhead = Overhead.fitted([(run.layout, run.measured - run.modelled) for run in measured])
             calibrations[strategy] = Calibration(strategy, tuple(measured), overhead)
     scaled = [calibrated(prediction, calibrations[prediction.layout.strategy].overhead) for prediction in ranked]
     return fastest_first(scaled), list(calibrations.values())
