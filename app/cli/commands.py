@@ -18,7 +18,8 @@ COMMANDS: dict[str, str] = {
     "predict": "continue prompts with a GPT checkpoint (--ckpt_path, --data.prompts)",
     "prepare": "turn text files or folders into train.bin and val.bin (bytes or any tokenizer.json) for fit",
     "doctor": "pre-flight checks and the memory estimate, run with the launcher and config of the job they precede",
-    "plan": "the layouts to run a recipe on a cluster, ranked by predicted step time and memory (--try K runs them)",
+    "plan": ("the layouts to run a recipe on a cluster, ranked by predicted step time and memory (--calibrate "
+             "measures what the model does not count, --try K runs the best)"),
     "comm": "collective bandwidth (all-reduce, all-gather, reduce-scatter) of the launched processes",
     "consolidate": "turn a sharded checkpoint folder into one file, to share or for load_from_checkpoint",
     "export": "write a GPT, Llama, MoE or BERT checkpoint as a Hugging Face folder (--out) that transformers loads",
