@@ -66,6 +66,19 @@ def test_hybrid_sharding_shows_replicas_and_shards_and_the_memory_accumulation_c
     assert "unsharded gradients" not in lines["memory"], lines["memory"]
 
 
+def test_tensor_parallelism_alone_accumulates_no_second_copy_of_the_gradients(
+        debug_run_args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP2 over one data-parallel shard (tensor parallelism alone) holds its gradients whole already, so
+    accumulating adds nothing (measured: benchmarks/RESULTS.md, the plan's memory)."""
+    monkeypatch.chdir(tmp_path)
+    lines, _ = doctor_lines([*debug_run_args, "-c", str(CONFIG_DIR / "trainer/model_parallel_cpu.yaml"),
+                             "--trainer.strategy.init_args.data_parallel_size", "1",
+                             "--trainer.strategy.init_args.tensor_parallel_size", "2",
+                             "--data.global_batch_size", "16", "--data.micro_batch_size", "2"])
+    assert "8 accumulation steps" in lines["run plan"], lines["run plan"]
+    assert "FSDP gathered" in lines["memory"] and "unsharded gradients" not in lines["memory"], lines["memory"]
+
+
 def test_fault_tolerant_groups_are_estimated_as_the_fsdp2_they_run(debug_run_args: list[str], tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Each group shards the network over its 2 processes (FSDP2): the estimate gathers units and holds the whole

@@ -134,9 +134,10 @@ def check_memory(config: Namespace, model: CohortModule, plan: RunPlan, kind: St
     strategy = "fsdp" if sharded else "ddp" if plan.data_parallel_size > 1 else "single"
     fsdp_checkpointing = getattr(getattr(trainer.strategy, "init_args", None), "activation_checkpointing_policy", None)
     # FSDP2 (not under a pipeline, whose schedule reduces itself) keeps whole gradients while it accumulates them,
-    # unless told to reduce-scatter every micro-batch (models/parallel/parallelize.py choose_gradient_reduction)
+    # unless told to reduce-scatter every micro-batch (models/parallel/parallelize.py choose_gradient_reduction);
+    # over one shard its gradients are whole already (tensor parallelism alone: measured, benchmarks/plan_memory.py)
     held_whole = (kind in (StrategyKind.MODEL_PARALLEL, StrategyKind.FAULT_TOLERANT) and plan.accumulation > 1
-                  and not plan.reduce_gradients_every_micro_batch)
+                  and plan.data_parallel_shard_size > 1 and not plan.reduce_gradients_every_micro_batch)
     estimate = estimate_memory(
         model.plain_network, module_step_loss(model, plan.sequence_length), plan.micro_batch_size,
         plan.precision.name, strategy, plan.data_parallel_shard_size if sharded else plan.data_parallel_size,

@@ -118,8 +118,8 @@ def model_facts(model: CohortModule, profile: NetworkProfile, plan: RunPlan) -> 
 
 def memory_bytes(profile: NetworkProfile, candidate: Candidate, device_type: str) -> int:
     """cohort doctor's estimate of the layout (app/tools/doctor.py check_memory), without the advice: HSDP holds
-    what FSDP2 over one replica's ranks holds, and FSDP2 outside a pipeline holds the whole gradients while it
-    accumulates (models/parallel/parallelize.py choose_gradient_reduction)."""
+    what FSDP2 over one replica's ranks holds, and FSDP2 over several shards outside a pipeline holds the whole
+    gradients while it accumulates (models/parallel/parallelize.py choose_gradient_reduction)."""
     layout = candidate.layout
     strategy = "fsdp" if layout.sharded or layout.strategy in ("tp", "pipeline") else (
         "ddp" if layout.data_parallel > 1 else "single")
@@ -127,7 +127,8 @@ def memory_bytes(profile: NetworkProfile, candidate: Candidate, device_type: str
                   layout.tensor_parallel, layout.pipeline_parallel,
                   layout.pipeline_microbatches if layout.pipeline_parallel > 1 else None,
                   layout.activation_checkpointing, device_type,
-                  unsharded_gradients=layout.strategy != "pipeline" and layout.accumulation > 1).total
+                  unsharded_gradients=layout.strategy != "pipeline" and layout.shards > 1
+                  and layout.accumulation > 1).total
 
 
 def predictions(candidates: Sequence[Candidate], profile: NetworkProfile, facts: ModelFacts, device: DeviceSpeed,
