@@ -27,7 +27,7 @@ import lightning as L
 import torch
 from jsonargparse import Namespace
 
-from app.tools.cost_model import DeviceSpeed, Link, Links, Prediction
+from app.tools.cost_model import DeviceSpeed, Link, Links
 from app.tools.plan import Ranking, fit_runs, rank_layouts
 from app.tools.plan_trials import absolute, run_fit
 from benchmarks.memory_estimate import resident_bytes
@@ -68,7 +68,7 @@ def chosen(ranking: Ranking, micro_batch_size: int) -> list[int]:
     return sorted(places.values())
 
 
-def measure(prediction: Prediction, run: list[str], folder: Path) -> list[int]:
+def measure(run: list[str], folder: Path) -> list[int]:
     """Each rank's measured peak bytes of ``run``."""
     out_dir = Path(tempfile.mkdtemp(dir=folder))
     run_fit([*absolute(RECIPE), *absolute(run), "--trainer.callbacks+=benchmarks.plan_memory.PeakMemory",
@@ -91,7 +91,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="plan-memory-") as folder:
         for place in chosen(ranking, options.micro_batch_size):
             prediction = ranking.ranked[place]
-            peaks = measure(prediction, runs[place], Path(folder))
+            peaks = measure(runs[place], Path(folder))
             error = (prediction.memory_bytes - max(peaks)) / max(peaks)
             print(f"| {prediction.layout.describe()} | {prediction.memory_bytes / MIB:,.0f} MiB | "
                   f"{' | '.join(f'{peak / MIB:,.0f} MiB' for peak in peaks)} | {error:+.1%} |", flush=True)

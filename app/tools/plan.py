@@ -83,8 +83,8 @@ def parser() -> ArgumentParser:
     parser.add_argument("--try", dest="trials", type=int, default=0,
                         help="run the best K for a few steps each (cohort fit) and compare measured with predicted")
     parser.add_argument("--calibrate", action="store_true",
-                        help="scale each strategy's predictions by one short cohort fit of it here (what the model "
-                        "does not count: the loop, the hooks, dispatch)")
+                        help="add to each strategy's predictions what two short cohort fit runs of it here take "
+                        "beyond the model (the loop, the hooks, dispatch)")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps each --try or --calibrate run times, "
                         "after as many to warm up (default 20: fewer leave a busy spell of the machine in the time)")
     return parser
@@ -248,7 +248,7 @@ class Ranking:
     speed: DeviceSpeed
     links: Links
     device_type: str
-    calibration: tuple[Calibration, ...] = ()  # what each --calibrate run measured; empty: not calibrated
+    calibration: tuple[Calibration, ...] = ()  # each strategy's --calibrate runs and overhead; empty: not calibrated
 
     def communication_source(self) -> str:
         within, across = self.links.within_node, self.links.across_nodes
@@ -291,10 +291,10 @@ def fit_runs(ranking: Ranking, args: Namespace, count: int) -> list[list[str]]:
 
 
 def calibrate_ranking(ranking: Ranking, args: Namespace, fit_args: list[str]) -> Ranking:
-    """The ranking with each strategy's layouts scaled by one short run of it here (app/tools/plan_trials.py)."""
-    ranked, runs = calibrate(fit_args, ranking.ranked, fit_runs(ranking, args, len(ranking.ranked)),
-                             ranking.recipe.template.micro_batch_size, args.steps)
-    return replace(ranking, ranked=ranked, calibration=tuple(runs))
+    """The ranking with each strategy's measured overhead added to its layouts (app/tools/plan_trials.py)."""
+    ranked, calibrations = calibrate(fit_args, ranking.ranked, fit_runs(ranking, args, len(ranking.ranked)),
+                                     ranking.recipe.template.micro_batch_size, args.steps)
+    return replace(ranking, ranked=ranked, calibration=tuple(calibrations))
 
 
 def main(argv: list[str]) -> None:
